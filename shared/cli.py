@@ -1,0 +1,95 @@
+"""The `pdserve` command: convert, generate, serve {prefill,decode,gateway}, up, healthcheck."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def _cmd_convert(ns: argparse.Namespace) -> int:
+    from shared.models.convert import resolve_model_path
+
+    print(resolve_model_path(ns.model))
+    return 0
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from shared.engine_args import EngineArgs
+    from shared.llm import LLM
+    from shared.sampling_params import SamplingParams
+
+    args = EngineArgs.from_cli_args(ns)
+    try:
+        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                                seed=ns.seed, top_p=ns.top_p, top_k=ns.top_k,
+                                ignore_eos=ns.ignore_eos)
+        llm = LLM(**{f: getattr(args, f) for f in vars(args)})
+        if ns.messages_json is not None:
+            messages = json.loads(ns.messages_json)
+            out = llm.chat(messages, params)[0]
+        elif ns.chat:
+            out = llm.chat([{"role": "user", "content": ns.prompt}], params)[0]
+        else:
+            out = llm.generate(ns.prompt, params)[0]
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = out.outputs[0]
+    if ns.json:
+        print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids,
+                          "text": c.text, "finish_reason": c.finish_reason}))
+    else:
+        print(c.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shared.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert the model to a local safetensors cache, once")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("generate", help="run the engine in-process on one prompt")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--messages-json", help='e.g. [{"role": "user", "content": "Hi"}]')
+    p.add_argument("--chat", action="store_true", help="apply the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print token_ids, text, finish_reason")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_cmd_generate)
+    _add_service_commands(sub)
+    return parser
+
+
+def _add_service_commands(sub) -> None:
+    """Hook for the services (serve, up, healthcheck); they register lazily."""
+    try:
+        from services.commands import add_service_commands
+    except ImportError:
+        return
+    add_service_commands(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(ns.func(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Frozen engine configuration: one small dataclass per concern, built once, passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model: str
+    """The `--model` value as given (name, HF directory or .gguf path)."""
+    model_path: str
+    """Resolved local HF directory holding config.json and safetensors."""
+    served_model_name: str
+    """The name clients use (OpenAI `model` field); also a prefix-hash extra key."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and KV dtype. fp32 on CPU: these CPUs lack bf16 matrix units."""
+    max_model_len: int = 2048
+    """Prompt + generated tokens, at most the model's max_position_embeddings."""
+    vocab_size: int = 0
+    """From the HF config; token ids outside [0, vocab_size) are rejected."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block (a power of two)."""
+    kv_cache_memory: int = 2 << 30
+    """Bytes for the paged KV pool (all layers, K and V); sets num_gpu_blocks."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching (APC) of full blocks."""
+    num_gpu_blocks_override: int | None = None
+    """Testing knob: exact pool size, null block included."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    """Most requests RUNNING at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens + prefill chunks)."""
+    max_model_len: int = 2048
+    """Same as ModelConfig.max_model_len; copied so the scheduler needs no ModelConfig."""
+    long_prefill_token_threshold: int = 0
+    """If > 0, a prefill chunk is capped at this many tokens per step."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    device: Literal["cpu", "cuda"] = "cpu"
+    num_threads: int = 0
+    """torch intra-op threads; 0 means len(cpu_cores) or torch's default."""
+    cpu_cores: tuple[int, ...] = ()
+    """Core ids this process binds to (sched_setaffinity); empty means no binding."""
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """auto: triton on CUDA, the torch implementation on CPU."""

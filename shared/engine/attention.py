@@ -1,0 +1,28 @@
+"""PagedAttention: one step's attention over the paged KV cache, shared by all layers.
+
+Built once per step from the AttentionMetadata; each layer calls `forward`, which writes
+the step's K/V into their slots, then attends over each request's blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from shared.engine.attn_metadata import AttentionMetadata
+
+
+class PagedAttention:
+    def __init__(self, metadata: AttentionMetadata, backend: str) -> None:
+        self.metadata = metadata
+        self.backend = backend
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """query [T, num_heads, D], key/value [T, num_kv_heads, D] -> [T, num_heads, D]."""
+        m = self.metadata
+        kernels.store_kv_cache(key, value, k_cache, v_cache, m.slot_mapping,
+                               backend=self.backend)
+        return kernels.paged_attention(query, k_cache, v_cache, m.block_table, m.seq_lens,
+                                       m.query_start_loc, scale, m.max_query_len,
+                                       m.max_seq_len, backend=self.backend)

@@ -1,0 +1,96 @@
+"""EngineCore: scheduler + KV cache manager + model runner, stepped in a loop.
+
+One class serves both roles: the prefill service runs it with
+`hold_finished_blocks=True` (blocks stay pinned for the KV transfer), the decode
+service and the offline `LLM` with the default. nano-vllm's `step()` in spirit:
+
+    scheduler_output = scheduler.schedule()
+    sampled = model_runner.execute_model(scheduler_output)
+    deltas = scheduler.update_from_output(scheduler_output, sampled)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from shared.engine.model_runner import ModelRunner
+from shared.engine.scheduler import Scheduler
+from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def apply_cpu_placement(parallel_config: ParallelConfig) -> None:
+    """Bind this process to its cores and size torch's thread pool to match."""
+    cores = parallel_config.cpu_cores
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+    threads = parallel_config.num_threads or len(cores)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+class EngineCore:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
+                 hold_finished_blocks: bool = False) -> None:
+        apply_cpu_placement(parallel_config)
+        self.model_config = model_config
+        self.model_runner = ModelRunner(model_config, cache_config, parallel_config)
+        self.num_gpu_blocks = self.model_runner.num_gpu_blocks
+        self.kv_cache_manager = KVCacheManager(
+            self.num_gpu_blocks, cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            model_name=model_config.served_model_name)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
+                                   hold_finished_blocks=hold_finished_blocks)
+        logger.info("engine ready: %d KV blocks of %d tokens, max_num_seqs=%d, "
+                    "max_num_batched_tokens=%d", self.num_gpu_blocks, cache_config.block_size,
+                    scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+
+    def validate_request(self, request: Request) -> None:
+        """Raises ValueError naming the field for input the engine cannot serve."""
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_runner.args.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
+                             f"[0, {vocab})")
+        limit = self.model_config.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, but "
+                             f"max_model_len is {limit} (prompt plus at least one generated "
+                             "token must fit)")
+
+    def add_request(self, request: Request) -> None:
+        """Validate and queue a request. Raises ValueError for bad input; nothing is queued."""
+        self.validate_request(request)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Abort now; their blocks go back to the pool at once."""
+        aborted = self.scheduler.abort_requests(request_ids)
+        self.model_runner.remove_requests([r.request_id for r in aborted])
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list:
+        """One scheduling + forward + sampling step; returns the RequestOutputDeltas."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        sampled = self.model_runner.execute_model(scheduler_output)
+        deltas = self.scheduler.update_from_output(scheduler_output, sampled)
+        finished = [d.request_id for d in deltas if d.finished]
+        if finished:
+            self.model_runner.remove_requests(finished)
+        return deltas

@@ -1,0 +1,158 @@
+"""ModelRunner: turns a SchedulerOutput into model inputs, runs the model, samples.
+
+Owns the model weights and the paged KV cache tensors of one engine process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from shared.config import CacheConfig, ModelConfig, ParallelConfig
+from shared.engine.attention import PagedAttention
+from shared.engine.attn_metadata import AttentionMetadata
+from shared.engine.sampler import Sampler, SamplingMetadata
+from shared.models.llama import LlamaArgs
+from shared.models.loader import load_model
+from shared.request import TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: str) -> int:
+    """Bytes one block takes over all layers, K and V."""
+    return (2 * args.num_hidden_layers * block_size * args.num_kv_heads * args.head_dim
+            * _DTYPE_BYTES[dtype])
+
+
+def determine_num_gpu_blocks(args: LlamaArgs, cache_config: CacheConfig, dtype: str) -> int:
+    """Blocks (null block included) that fit the `kv_cache_memory` budget.
+
+    Raises:
+        ValueError: the budget holds fewer than 2 blocks.
+    """
+    if cache_config.num_gpu_blocks_override is not None:
+        return cache_config.num_gpu_blocks_override
+    per_block = kv_cache_bytes_per_block(args, cache_config.block_size, dtype)
+    num_blocks = cache_config.kv_cache_memory // per_block
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds "
+                         f"{num_blocks} blocks of {per_block} bytes; need at least 2")
+    return int(num_blocks)
+
+
+class PreparedInputs(NamedTuple):
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    """[num_sampled] int64: the batch row of each request's last token that samples."""
+    sampled_requests: list
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 parallel_config: ParallelConfig) -> None:
+        self.device = torch.device(parallel_config.device)
+        self.dtype = _DTYPES[model_config.dtype]
+        self.block_size = cache_config.block_size
+        self.model = load_model(model_config.model_path, model_config.dtype, parallel_config.device)
+        self.args = self.model.args
+        self.num_gpu_blocks = determine_num_gpu_blocks(self.args, cache_config,
+                                                       model_config.dtype)
+        shape = (self.num_gpu_blocks, self.block_size, self.args.num_kv_heads,
+                 self.args.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.args.num_hidden_layers)
+        ]
+        backend = parallel_config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attention_backend = backend
+        self.sampler = Sampler()
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s",
+                    self.num_gpu_blocks, self.block_size,
+                    self.num_gpu_blocks * kv_cache_bytes_per_block(
+                        self.args, self.block_size, model_config.dtype) / 2**20, backend)
+
+    def prepare_inputs(self, scheduled: list) -> PreparedInputs:
+        """Flatten the scheduled requests into one batch.
+
+        NOTE: the scheduler lists decodes (one token each) before prefill chunks; attention
+        relies on that order (`num_decodes`).
+        """
+        bs = self.block_size
+        num_reqs = len(scheduled)
+        q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, num_reqs)
+        starts = np.fromiter((s.start_pos for s in scheduled), np.int64, num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(q_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_lens = starts + q_lens
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_table = np.zeros((num_reqs, max_blocks), np.int32)
+        input_ids = np.empty(num_tokens, np.int64)
+        for i, s in enumerate(scheduled):
+            block_table[i, :len(s.block_ids)] = s.block_ids
+            a, b = query_start_loc[i], query_start_loc[i + 1]
+            if b - a == 1:
+                input_ids[a] = s.request.token_at(int(starts[i]))
+            else:
+                input_ids[a:b] = s.request.token_slice(int(starts[i]), int(seq_lens[i]))
+        req_idx = np.repeat(np.arange(num_reqs), q_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_idx] \
+            + starts[req_idx]
+        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs \
+            + positions % bs
+        num_decodes = 0
+        while num_decodes < num_reqs and q_lens[num_decodes] == 1 \
+                and scheduled[num_decodes].sample:
+            num_decodes += 1
+        sampled = [i for i, s in enumerate(scheduled) if s.sample]
+        logits_indices = query_start_loc[1:][sampled] - 1
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
+        )
+        return PreparedInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=meta,
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            sampled_requests=[scheduled[i].request for i in sampled],
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run one step; returns request_id -> (sampled token, logprobs) for sampling rows."""
+        if not scheduler_output.scheduled:
+            return {}
+        inputs = self.prepare_inputs(scheduler_output.scheduled)
+        attn = PagedAttention(inputs.attn_metadata, self.attention_backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn)
+        if not inputs.sampled_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        metadata = SamplingMetadata.from_requests(inputs.sampled_requests,
+                                                  self.args.vocab_size, self.device)
+        out = self.sampler(logits, metadata)
+        return {req.request_id: (tok, lp) for req, tok, lp in
+                zip(inputs.sampled_requests, out.sampled_token_ids, out.logprobs)}
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Drop per-request sampler state (seeded generators) of finished requests."""
+        self.sampler.remove_requests(request_ids)

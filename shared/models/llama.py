@@ -1,0 +1,186 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+gpt-fast-style single file: RMSNorm, rotary embeddings, GQA attention through
+`kernels.store_kv_cache` / `kernels.paged_attention`, SwiGLU MLP. Inputs are the
+flattened tokens of a whole mixed batch (prefill chunks and decodes together);
+only the rows that sample a token go through the LM head.
+
+Source: Touvron et al. 2023 (Llama); Su et al. 2021 (RoPE); Kwon et al. 2023 (PagedAttention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.models.rotary import RotaryEmbedding, rope_theta_from_config
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaArgs:
+    """The architecture numbers read from an HF config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
+        """Raises ValueError for an architecture this file does not implement."""
+        archs = cfg.get("architectures") or []
+        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+        if archs and archs[0] not in supported:
+            raise ValueError(f"architecture {archs[0]!r} is not supported "
+                             f"(supported: {sorted(supported)})")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        is_qwen2 = cfg.get("model_type") == "qwen2"
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta_from_config(cfg),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in fp32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.q_size = args.num_heads * args.head_dim
+        self.kv_size = args.num_kv_heads * args.head_dim
+        self.scale = args.head_dim ** -0.5
+        # NOTE: q, k and v share one matmul (fewer, larger GEMMs on CPU); the loader
+        # concatenates the checkpoint's q_proj / k_proj / v_proj rows in that order.
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos_sin: tuple,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary.apply(q, k, cos_sin)
+        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        # NOTE: gate and up share one matmul; the loader stacks gate_proj then up_proj.
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, layer_idx)
+        self.mlp = LlamaMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, hidden, rotary, cos_sin, kv_cache, attn) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cos_sin,
+                                         kv_cache, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head.
+
+    `forward` takes the flattened batch; `compute_logits` projects only the rows that
+    sample (one per scheduled request that reached its last known token).
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i)
+                                    for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings,
+                                      args.rope_theta, args.rope_scaling)
+        if args.tie_word_embeddings:
+            self.lm_head_weight = None
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn) -> torch.Tensor:
+        """Run the decoder over one step's tokens.
+
+        Args:
+            input_ids: [num_tokens] int64.
+            positions: [num_tokens] int64, each token's position in its sequence.
+            kv_caches: per layer (k_cache, v_cache), each
+                [num_blocks, block_size, num_kv_heads, head_dim].
+            attn: the step's attention object (`shared.engine.attention.PagedAttention`),
+                holding slot_mapping / block_table / seq_lens / query_start_loc.
+
+        Returns:
+            [num_tokens, hidden_size] hidden states before the final norm.
+        """
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, self.rotary, cos_sin, kv_cache, attn)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""
+        weight = (self.embed_tokens.weight if self.lm_head_weight is None
+                  else self.lm_head_weight)
+        return F.linear(self.norm(hidden), weight).float()

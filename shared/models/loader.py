@@ -1,0 +1,83 @@
+"""Load a Llama-family model from a local HF directory (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from shared.models.llama import LlamaArgs, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_config(model_path: str | Path) -> dict:
+    with open(Path(model_path) / "config.json") as f:
+        return json.load(f)
+
+
+def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def load_model(model_path: str | Path, dtype: str = "float32",
+               device: str = "cpu") -> LlamaForCausalLM:
+    """Build the model from `config.json` and fill it from the safetensors files.
+
+    Raises:
+        FileNotFoundError: no config or no weights.
+        ValueError: unsupported architecture, or a checkpoint missing a weight.
+    """
+    model_path = Path(model_path)
+    args = LlamaArgs.from_hf_config(read_hf_config(model_path))
+    ckpt = _read_checkpoint(model_path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    state: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in ckpt:
+            raise ValueError(f"checkpoint {model_path} lacks weight {name!r}")
+        return ckpt.pop(name)
+
+    state["embed_tokens.weight"] = take("model.embed_tokens.weight")
+    state["norm.weight"] = take("model.norm.weight")
+    if not args.tie_word_embeddings:
+        state["lm_head_weight"] = take("lm_head.weight")
+    for i in range(args.num_hidden_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        att = p + "self_attn."
+        state[q + "self_attn.qkv_proj.weight"] = torch.cat(
+            [take(att + f"{n}_proj.weight") for n in "qkv"], dim=0)
+        if args.attention_bias:
+            state[q + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
+        state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
+        state[q + "mlp.gate_up_proj.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+        state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+        state[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        state[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    ckpt.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
+    leftover = [k for k in ckpt if "rotary_emb" not in k]
+    if leftover:
+        logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(leftover),
+                       leftover[:3])
+    torch_dtype = _DTYPES[dtype]
+    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    model.rotary.to(device, torch_dtype)
+    return model.eval()

@@ -1,0 +1,81 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) in the rotate-half layout of HF Llama.
+
+Supports rope types "default", "linear" and "llama3" (Llama 3.1's frequency smoothing).
+The cos/sin table is computed once in fp32 exactly as transformers computes it per step
+(position * inv_freq, then cos/sin), so indexing the table gives bit-identical values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """transformers 5 keeps theta and scaling in `rope_parameters`; older configs use
+    `rope_theta` + `rope_scaling`. Returns one merged dict."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    if "rope_theta" not in params and cfg.get("rope_theta") is not None:
+        params["rope_theta"] = cfg["rope_theta"]
+    return params
+
+
+def rope_theta_from_config(cfg: dict) -> float:
+    return float(rope_parameters(cfg).get("rope_theta", 10000.0))
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+                                / head_dim))
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if rope_type == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low = float(scaling["low_freq_factor"])
+        high = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding:
+    """Holds the [max_positions, head_dim] cos/sin tables (fp32)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict | None = None) -> None:
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        pos = torch.arange(max_positions, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+        self.half = head_dim // 2
+
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> "RotaryEmbedding":
+        self.cos = self.cos.to(device=device, dtype=dtype)
+        self.sin = self.sin.to(device=device, dtype=dtype)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] int64 -> (cos, sin), each [num_tokens, 1, head_dim]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, D], k [T, num_kv_heads, D] -> rotated copies."""
+        cos, sin = cos_sin
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+    def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : self.half], x[..., self.half:]
+        return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,124 @@
+"""Request: one sequence's state inside an engine core (torch-free).
+
+Lifecycle (vLLM v1's `RequestStatus` order; everything after PREEMPTED is finished):
+
+    WAITING ──schedule──▶ RUNNING ──stop/length/abort──▶ FINISHED_*
+       ▲                     │
+       └──── PREEMPTED ◀─────┘   (blocks freed, num_computed_tokens reset: recompute)
+
+    WAITING_FOR_REMOTE_KVS ──KV written by the transfer──▶ WAITING/RUNNING   (decode role)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # NOTE: every status after PREEMPTED is a finished one (see is_finished).
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+class FinishReason(str, enum.Enum):
+    """The OpenAI-facing finish reason."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities for one sampled token (fp32 log-softmax of the raw logits)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    """The `logprobs` most likely token ids, most likely first."""
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence: prompt, generated tokens, and how much of it has KV in this instance."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    cache_salt: str | None = None
+    """Tenant salt mixed into the first block's hash (prefix-cache isolation)."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose KV is written in this instance's cache."""
+    num_cached_tokens: int = -1
+    """Prefix-cache hit length, recorded at first admission (-1 until then)."""
+    num_preemptions: int = 0
+    stop_reason: int | None = None
+    """The stop token id that finished the request, if any."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building all_token_ids."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASON.get(self.status)

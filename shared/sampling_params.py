@@ -1,0 +1,122 @@
+"""SamplingParams: per-request decoding knobs, validated at construction (torch-free).
+
+Names and meanings follow vLLM's `SamplingParams` and the OpenAI API. Every invalid
+value raises `ValueError` whose message starts with the offending field's name.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Raises:
+        ValueError: naming the field, for any out-of-range value.
+    """
+
+    n: int = 1
+    """Number of independent completions (the gateway fans these out as requests)."""
+    temperature: float = 1.0
+    """0 means greedy (argmax). Must be >= 0."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p * p(most likely); in [0, 1]."""
+    seed: int | None = None
+    """Per-request RNG seed; a seeded result does not depend on the rest of the batch."""
+    presence_penalty: float = 0.0
+    """OpenAI presence penalty in [-2, 2], over generated tokens."""
+    frequency_penalty: float = 0.0
+    """OpenAI frequency penalty in [-2, 2], over generated tokens."""
+    repetition_penalty: float = 1.0
+    """CTRL-style penalty (> 0) over prompt and generated tokens; 1 disables."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the context length."""
+    min_tokens: int = 0
+    """EOS and stop tokens are suppressed until this many tokens were generated."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Extra token ids that end generation (finish_reason "stop")."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token."""
+    logprobs: int | None = None
+    """Number of top alternatives to return per generated token (0 = chosen only)."""
+    prompt_logprobs: int | None = None
+    """Number of top alternatives per prompt token (used for echo)."""
+    skip_special_tokens: bool = True
+    """Detokenization: drop special tokens from the returned text."""
+
+    def __post_init__(self) -> None:
+        self._verify()
+
+    def _verify(self) -> None:
+        _check_int("n", self.n, lo=1)
+        _check_float("temperature", self.temperature, lo=0.0)
+        _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_float("min_p", self.min_p, lo=0.0, hi=1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        _check_float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got "
+                             f"{self.stop_token_ids!r}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with the disabled values (0, -1) mapped to 0."""
+        return self.top_k if self.top_k > 0 else 0
+
+
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        op = ">" if lo_open else ">="
+        raise ValueError(f"{name} must be {op} {lo}, got {value}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")

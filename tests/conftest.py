@@ -1,0 +1,70 @@
+"""Shared fixtures: the converted default model and the fixed prompts of the parity tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Eight chat prompts of different lengths whose greedy answers run long, so that 64 new
+# tokens are compared for most of them (the engine-core parity test, reused by the
+# services tests).
+PARITY_MESSAGES: list[list[dict]] = [
+    [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+    [{"role": "user", "content": "Explain how a bicycle gear system works."}],
+    [{"role": "system", "content": "You are a patient teacher."},
+     {"role": "user", "content": "Describe the water cycle step by step for a ten year old "
+                                 "who has never heard of evaporation or condensation."}],
+    [{"role": "user", "content": "List ten uses for a paperclip."}],
+    [{"role": "user", "content": "What are the main differences between cats and dogs as "
+                                 "pets? Consider cost, time, space, temperament, lifespan, "
+                                 "allergies, training and how they fit into a family with "
+                                 "small children living in a city apartment."}],
+    [{"role": "user", "content": "Give me a recipe for pancakes."}],
+    [{"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Write a poem about autumn leaves falling in a quiet park."}],
+]
+
+NUM_PARITY_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The converted SmolLM2-135M-Instruct directory (converted once if missing)."""
+    from shared.models.convert import resolve_model_path
+
+    return str(resolve_model_path())
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from shared.tokenizer import get_tokenizer
+
+    return get_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def parity_prompt_ids(tokenizer) -> list[list[int]]:
+    from shared.tokenizer import apply_chat_template
+
+    return [apply_chat_template(tokenizer, m) for m in PARITY_MESSAGES]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_reference(model_path, parity_prompt_ids) -> list[list[int]]:
+    """transformers `generate` (greedy, fp32, one prompt at a time): the new token ids,
+    up to NUM_PARITY_TOKENS or the EOS token (included)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in parity_prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=NUM_PARITY_TOKENS, pad_token_id=2)
+            out.append(y[0, len(ids):].tolist())
+    return out

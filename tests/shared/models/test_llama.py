@@ -1,0 +1,76 @@
+"""The paged Llama model's math against transformers on the same weights, independent of
+the paged kernels (a dense causal attention stands in for one sequence)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shared.models.llama import LlamaArgs
+from shared.models.loader import load_model, read_hf_config
+from shared.models.rotary import RotaryEmbedding, rope_parameters
+
+
+class DenseCausalAttention:
+    """One sequence, no cache: causal SDPA over the step's own K/V (GQA expanded)."""
+
+    def forward(self, q, k, v, k_cache, v_cache, scale):
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True, scale=scale)
+        return out.transpose(0, 1)
+
+
+@pytest.fixture(scope="module")
+def model(model_path):
+    return load_model(model_path)
+
+
+def test_args_from_smollm2_config(model_path):
+    args = LlamaArgs.from_hf_config(read_hf_config(model_path))
+    assert (args.num_hidden_layers, args.hidden_size, args.num_heads, args.num_kv_heads,
+            args.head_dim, args.vocab_size) == (30, 576, 9, 3, 64, 49152)
+    assert args.rope_theta == 100000.0
+    assert args.tie_word_embeddings and not args.attention_bias
+
+
+def test_unsupported_architecture_is_a_value_error():
+    with pytest.raises(ValueError, match="architecture"):
+        LlamaArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"]})
+
+
+def test_logits_match_transformers(model, model_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog because")
+    x = torch.tensor(ids)
+    with torch.inference_mode():
+        ref = hf(x[None]).logits[0]
+        hidden = model(x, torch.arange(len(ids)), [(None, None)] * 30, DenseCausalAttention())
+        ours = model.compute_logits(hidden)
+    assert ours.shape == ref.shape == (len(ids), 49152)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_rope_parameters_merge_old_and_new_config_styles():
+    assert rope_parameters({"rope_theta": 5.0})["rope_theta"] == 5.0
+    assert rope_parameters({"rope_parameters": {"rope_theta": 7.0, "rope_type": "default"}}
+                           )["rope_theta"] == 7.0
+
+
+def test_llama3_rope_scaling_changes_only_low_frequencies():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    plain = RotaryEmbedding(64, 16, 500000.0)
+    scaled = RotaryEmbedding(64, 16, 500000.0, scaling)
+    # Position 1's angle is inv_freq itself: high frequencies (first dims) unchanged,
+    # the lowest frequency divided by the factor.
+    a_plain = torch.atan2(plain.sin[1], plain.cos[1])
+    a_scaled = torch.atan2(scaled.sin[1], scaled.cos[1])
+    assert torch.allclose(a_plain[:4], a_scaled[:4])
+    assert torch.allclose(a_scaled[31], a_plain[31] / 8.0, rtol=1e-5)
