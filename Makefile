@@ -35,3 +35,8 @@ bench-engine:
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Generated from the repository root so the stubs import `shared.proto.engine_pb2`.
+proto:
+	$(VPY) -m grpc_tools.protoc --proto_path=. --python_out=. --pyi_out=. \
+	    --grpc_python_out=. shared/proto/engine.proto

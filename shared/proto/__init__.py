@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for shared/proto/engine.proto (see `make proto`)."""
