@@ -1,0 +1,159 @@
+"""AsyncEngine: an EngineCore stepped in its own thread, driven from asyncio.
+
+The engine thread owns the EngineCore: every mutation (add, abort, KV admission) runs
+there, between steps, as an op submitted with `call`. Outputs go back to per-request
+asyncio queues with `loop.call_soon_threadsafe`, so the gRPC servers' event loops never
+block on a model step (which holds the GIL only between torch kernels).
+
+    grpc handler ──call(fn)──▶ op queue ──▶ engine thread: ops; step(); dispatch deltas
+         ▲                                                        │
+         └──────────── asyncio.Queue per request ◀────────────────┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from shared.engine.engine_core import EngineCore
+from shared.engine.scheduler_output import RequestOutputDelta
+from shared.request import FinishReason, Request
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    def __init__(self, engine: EngineCore, name: str = "engine") -> None:
+        self.engine = engine
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.last_step_time = time.monotonic()
+        """Monotonic time the loop last made progress (a step, or idle with no work)."""
+        self.num_steps = 0
+        self.stall_hook: Callable[[], None] | None = None
+        """Test hook: called each loop iteration (e.g. to make the loop stall)."""
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- asyncio side ---------------------------------------------------------------------
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps; return or raise its result."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._ops.put((fn, loop, fut))
+        self._wake.set()
+        return await fut
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutputDelta]:
+        """Add `request` and yield its deltas until it finishes.
+
+        Raises ValueError (bad input) before yielding anything. If the consumer stops
+        early (cancelled, closed), the request is aborted and its blocks freed.
+        """
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = (loop, q)
+        try:
+            await self.call(lambda e: e.add_request(request))
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                delta: RequestOutputDelta = await q.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                await asyncio.shield(self.abort([request.request_id]))
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort now (blocks freed at once); open streams end with an ABORT delta."""
+        return await self.call(lambda e: self._abort_op(request_ids))
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests() or not self._ops.empty()
+
+    def seconds_since_progress(self) -> float:
+        """0 while idle; else seconds since the last completed step (readiness probes)."""
+        if not self.has_work:
+            return 0.0
+        return time.monotonic() - self.last_step_time
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped:
+            if self.stall_hook is not None:
+                self.stall_hook()
+            self._run_ops()
+            if not self.engine.has_unfinished_requests():
+                self.last_step_time = time.monotonic()
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception:  # a bug, not bad input: fail the requests, keep serving
+                logger.exception("engine step failed; aborting its running requests")
+                self._fail_all()
+                continue
+            self.num_steps += 1
+            self.last_step_time = time.monotonic()
+            self._dispatch(deltas)
+
+    def _run_ops(self) -> None:
+        while True:
+            try:
+                fn, loop, fut = self._ops.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as e:  # delivered to the caller, never kills the loop
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _dispatch(self, deltas: list[RequestOutputDelta]) -> None:
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, delta)
+
+    def _abort_op(self, request_ids: list[str]) -> list[str]:
+        ids = [r.request_id for r in self.engine.abort_requests(request_ids)]
+        self._dispatch([RequestOutputDelta(i, [], [], FinishReason.ABORT, None) for i in ids])
+        return ids
+
+    def _fail_all(self) -> None:
+        self._abort_op(list(self.engine.scheduler.requests))
+
+
+def _set_result(fut: asyncio.Future, result: Any) -> None:
+    if not fut.done():
+        fut.set_result(result)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
