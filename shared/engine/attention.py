@@ -13,9 +13,14 @@ from shared.engine.attn_metadata import AttentionMetadata
 
 
 class PagedAttention:
-    def __init__(self, metadata: AttentionMetadata, backend: str) -> None:
+    def __init__(self, metadata: AttentionMetadata, backend: str, block_size: int,
+                 num_kv_heads: int) -> None:
         self.metadata = metadata
         self.backend = backend
+        # NOTE: the torch (CPU) path builds its gather indices once per step, not per layer.
+        self.torch_metadata = (kernels.prepare_torch_metadata(
+            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, block_size,
+            num_kv_heads) if backend == "torch" else None)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -25,4 +30,5 @@ class PagedAttention:
                                backend=self.backend)
         return kernels.paged_attention(query, k_cache, v_cache, m.block_table, m.seq_lens,
                                        m.query_start_loc, scale, m.max_query_len,
-                                       m.max_seq_len, backend=self.backend)
+                                       m.max_seq_len, backend=self.backend,
+                                       metadata=self.torch_metadata)

@@ -142,7 +142,8 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return {}
         inputs = self.prepare_inputs(scheduler_output.scheduled)
-        attn = PagedAttention(inputs.attn_metadata, self.attention_backend)
+        attn = PagedAttention(inputs.attn_metadata, self.attention_backend, self.block_size,
+                              self.args.num_kv_heads)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn)
         if not inputs.sampled_requests:
             return {}

@@ -1,0 +1,312 @@
+"""Scheduler: continuous batching under a token budget, chunked prefill, preemption.
+
+Role-agnostic: the prefill role passes `hold_finished_blocks=True` so a finished request's
+blocks stay allocated until the worker calls `kv_cache_manager.free(request)` itself (after
+the decode side has pulled them); the decode role uses the default.
+
+One engine step (synchronous, one step in flight at a time):
+
+    out = scheduler.schedule()                        # pick tokens, allocate blocks
+    sampled = model_runner.execute_model(out)         # {request_id: (token_id, logprobs)}
+    deltas = scheduler.update_from_output(out, sampled)   # append tokens, stop, free
+
+Call `add_request` / `abort_requests` between steps, not between `schedule()` and
+`update_from_output()`. (An abort in between is tolerated: the step's result for that
+request is dropped. Its freed blocks are only reused by the next schedule().)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from shared.config import SchedulerConfig
+from shared.engine.scheduler_output import (
+    RequestOutputDelta,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many of their tokens.
+
+    Args:
+        scheduler_config: token budget, max_num_seqs, max_model_len, prefill chunk cap.
+        kv_cache_manager: this instance's block bookkeeping.
+        hold_finished_blocks: keep a finished request's blocks (prefill role).
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 hold_finished_blocks: bool = False):
+        self.scheduler_config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.hold_finished_blocks = hold_finished_blocks
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests (waiting, preempted or running) by id."""
+        self.waiting: deque[Request] = deque()
+        """WAITING and PREEMPTED requests, admitted FCFS from the left."""
+        self.running: list[Request] = []
+        """RUNNING requests in admission order; preemption takes from the end (newest)."""
+        self.num_preemptions = 0
+        """Total preemptions since start-up."""
+        self._finished_req_ids: list[str] = []
+
+    # -- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue `request` at the back of the waiting queue.
+
+        A request that arrives with `num_computed_tokens > 0` must already hold blocks for
+        those tokens in `kv_cache_manager` (KV written by a transfer); it is admitted
+        without a prefix-cache lookup and computes only the rest.
+
+        Raises:
+            ValueError: duplicate request_id, an empty prompt, no token left to compute,
+                a prompt longer than max_model_len, or a request whose longest possible
+                sequence cannot fit in the whole KV pool (it could never finish).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already scheduled")
+        num_prompt = request.num_prompt_tokens
+        max_model_len = self.scheduler_config.max_model_len
+        if num_prompt == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_computed_tokens >= request.num_tokens:
+            raise ValueError(f"request {request.request_id!r} has nothing left to compute "
+                             f"({request.num_computed_tokens} of {request.num_tokens} tokens)")
+        if num_prompt > max_model_len:
+            raise ValueError(f"prompt length {num_prompt} of request {request.request_id!r} "
+                             f"exceeds max_model_len {max_model_len}")
+        # Generation stops once num_tokens >= max_model_len; the last token needs no KV.
+        max_num_tokens = max(max_model_len, num_prompt + 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            max_num_tokens = min(max_num_tokens, num_prompt + max_tokens)
+        block_size = self.kv_cache_manager.block_size
+        num_blocks_needed = -(-(max_num_tokens - 1) // block_size)
+        num_usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
+        if num_blocks_needed > num_usable:
+            raise ValueError(f"request {request.request_id!r} may need {num_blocks_needed} KV "
+                             f"blocks ({max_num_tokens - 1} tokens), more than the pool's "
+                             f"{num_usable}; lower max_tokens")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Finish the given unfinished requests as FINISHED_ABORTED and free their blocks.
+
+        Unknown or already finished ids are ignored (a finished request whose blocks are
+        held by `hold_finished_blocks` is the caller's to free). Returns the aborted ones.
+        """
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                continue
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.kv_cache_manager.free(request)
+            self._finished_req_ids.append(request_id)
+            aborted.append(request)
+        if aborted:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.stats
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_requests=prefix.requests, prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their blocks.
+
+        NOTE: there is no prefill or decode phase. Each request has
+        `num_computed_tokens` and `num_tokens` (prompt + output); each step gives it
+        `num_tokens - num_computed_tokens` more (one for a decode, a chunk of the prompt
+        for a prefill, prompt + output after a preemption), as far as the token budget
+        `max_num_batched_tokens` allows. Running requests go first, in admission order;
+        then waiting ones, FCFS, while fewer than `max_num_seqs` run. When a running
+        request needs a block and none is free, the newest running request is preempted
+        (recompute) until it fits; no waiting request is admitted in such a step.
+
+        NOTE: blocks are cached when allocated, so a request admitted in the same step as
+        another with the same prefix already hits the blocks that one computes this step
+        (its `num_cached_tokens` counts them; see `KVCacheManager.allocate_slots`).
+
+        NOTE: `request.num_computed_tokens` advances here, by `num_scheduled_tokens`, the
+        moment a request is scheduled: the KV of those tokens is written by this step's
+        forward. `update_from_output()` only appends sampled tokens.
+        """
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        token_budget = config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted_ids: list[str] = []
+
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
+                                                  token_budget)
+            while (new_blocks := kv.allocate_slots(request, num_new_tokens)) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # `request` itself was the newest left, and is preempted.
+            scheduled.append(self._schedule_tokens(request, num_new_tokens))
+            token_budget -= num_new_tokens
+            i += 1
+
+        while (not preempted_ids and self.waiting and token_budget > 0
+               and len(self.running) < config.max_num_seqs):
+            request = self.waiting[0]
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new_tokens = self._num_new_tokens(
+                request, request.num_computed_tokens + num_hit_tokens, token_budget)
+            if kv.allocate_slots(request, num_new_tokens, hits, num_hit_tokens) is None:
+                break  # FCFS: nobody overtakes the head of the queue.
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._schedule_tokens(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        # Decodes first: the model runner batches the leading single-token rows together.
+        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1 and s.sample]
+        if len(decodes) != len(scheduled):
+            scheduled = decodes + [s for s in scheduled
+                                   if not (s.num_scheduled_tokens == 1 and s.sample)]
+        finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=config.max_num_batched_tokens - token_budget,
+            preempted_request_ids=preempted_ids,
+            finished_request_ids=finished_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, tuple],
+    ) -> list[RequestOutputDelta]:
+        """Append each sampled token, apply the stop rules, finish what stopped.
+
+        Args:
+            scheduler_output: the output of the preceding `schedule()`.
+            sampled: request_id -> (token_id, TokenLogprobs | None) for every scheduled
+                request with `sample=True`; other entries are ignored.
+
+        Returns:
+            One delta per request that got a token, in scheduled order.
+
+        Raises:
+            ValueError: a request scheduled with `sample=True` got no token.
+        """
+        max_model_len = self.scheduler_config.max_model_len
+        deltas = []
+        any_finished = False
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if not scheduled.sample or request.is_finished:
+                continue  # a prefill chunk, or aborted since schedule()
+            entry = sampled.get(request.request_id)
+            if entry is None:
+                raise ValueError(f"no sampled token for request {request.request_id!r}")
+            token_id, logprobs = entry
+            request.append_output_token(token_id, logprobs)
+            status, stop_reason = check_stop(request, max_model_len)
+            if status is not None:
+                request.status = status
+                request.stop_reason = stop_reason
+                self._finish(request)
+                any_finished = True
+            deltas.append(RequestOutputDelta(
+                request_id=request.request_id, new_token_ids=[token_id],
+                new_logprobs=[logprobs] if logprobs is not None else [],
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return deltas
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int,
+                        token_budget: int) -> int:
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new_tokens = min(num_new_tokens, threshold)
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_tokens(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        start_pos = request.num_computed_tokens
+        request.num_computed_tokens = start_pos + num_new_tokens
+        return ScheduledRequest(
+            request=request, start_pos=start_pos, num_scheduled_tokens=num_new_tokens,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            sample=request.num_computed_tokens == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request) -> None:
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)
+        if not self.hold_finished_blocks:
+            self.kv_cache_manager.free(request)
+
+
+def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Whether `request` is done after its last output token: (status, stop_reason).
+
+    EOS (unless ignore_eos) and stop_token_ids count only once num_output_tokens >=
+    min_tokens, and take precedence over the length limits. stop_reason is the
+    stop_token_ids entry hit; None for EOS, as in vLLM.
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED, None
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, last
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    return None, None

@@ -1,0 +1,255 @@
+"""KVCacheManager: per-request block lists on top of the BlockPool, with prefix caching.
+
+A request's blocks, in logical order (`block_size` tokens each):
+
+    |<------------------- request.num_tokens (prompt + output) ------------------->|
+    | cached prefix hits | computed earlier | computed this step | not yet computed  |
+    [ hit  ][ hit  ][ own   ][ own   ][ own   ][ new   ]
+                                             ^ only full blocks get a hash and are cached
+
+Block hashes are computed incrementally (one per block that fills up) and memoized per
+request until `free(request)`, so per-step work stays O(1) per request.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shared.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
+from shared.kv_cache.prefix_hash import NONE_HASH, BlockHash, block_extra_keys, hash_block_tokens
+from shared.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters (monotonic, for Prometheus counters).
+
+    Counted once per admission (a request's first `allocate_slots` since it last held no
+    blocks), so a request that waits several steps for blocks is not counted again.
+    """
+
+    requests: int = 0
+    """Admissions that looked up the cache."""
+    queries: int = 0
+    """Tokens looked up (the request's num_tokens at admission)."""
+    hits: int = 0
+    """Tokens found cached."""
+
+
+class ComputedBlocks(NamedTuple):
+    blocks: list[KVCacheBlock]
+    """The cached prefix, one block per `block_size` tokens, in logical order."""
+    num_computed_tokens: int
+    """len(blocks) * block_size."""
+
+
+class KVCacheManager:
+    """Allocates, caches and frees the KV blocks of requests.
+
+    Args:
+        num_gpu_blocks: pool size, null block included.
+        block_size: tokens per block.
+        enable_caching: automatic prefix caching of full blocks.
+        model_name: the served model name, an extra key of every first-block hash.
+        enable_kv_cache_events: record events for `take_events()` (see BlockPool).
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True,
+                 model_name: str = "", enable_kv_cache_events: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.model_name = model_name
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, enable_kv_cache_events)
+        self.stats = PrefixCacheStats()
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._req_to_block_ids: dict[str, list[int]] = {}
+        self._req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_block: dict[str, int] = {}
+        """Leading blocks of a request already passed to cache_full_blocks."""
+
+    # -- prefix lookup ----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest cached prefix of `request`'s full blocks. Changes nothing.
+
+        Capped so that the last token is always recomputed (its logits are needed):
+        `num_computed_tokens <= request.num_tokens - 1`, a multiple of `block_size`.
+        Call it only for a request that holds no blocks (waiting or preempted).
+        """
+        if not self.enable_caching:
+            return ComputedBlocks([], 0)
+        block_hashes = self._block_hashes(request)
+        max_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(block_hashes))
+        blocks = []
+        for i in range(max_hit_blocks):
+            block = self.block_pool.get_cached_block(block_hashes[i])
+            if block is None:
+                break
+            blocks.append(block)
+        return ComputedBlocks(blocks, len(blocks) * self.block_size)
+
+    def get_block_hashes(self, request: Request) -> list[BlockHash]:
+        """The chained hashes of `request`'s full blocks (a copy)."""
+        return list(self._block_hashes(request))
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """The memoized hash list, extended to every full block of the known tokens."""
+        hashes = self._req_to_block_hashes.get(request.request_id)
+        if hashes is None:
+            hashes = self._req_to_block_hashes[request.request_id] = []
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            bs = self.block_size
+            parent = hashes[-1] if hashes else NONE_HASH
+            for i in range(len(hashes), num_full):
+                extra = block_extra_keys(self.model_name, request.cache_salt) if i == 0 else ()
+                parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs),
+                                           extra)
+                hashes.append(parent)
+        return hashes
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       num_new_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
+        """Give `request` blocks for its next `num_new_tokens` tokens.
+
+            |<- request.num_computed_tokens ->|<- num_new_computed_tokens ->|<- num_new_tokens ->|
+            [ blocks already held             ][ new_computed_blocks (hits) ][ fresh blocks      ]
+
+        Touches `new_computed_blocks` (prefix hits from `get_computed_blocks`), appends them,
+        then allocates enough fresh blocks to hold all three spans. Unless
+        `delay_cache_blocks`, every block that becomes full among known tokens is cached.
+
+        NOTE: caching happens at allocation, before this step writes the KV. A request
+        admitted later in the same step may hit those blocks; that is correct because each
+        layer stores all of the step's new K/V before attention reads the cache.
+
+        Returns:
+            The fresh blocks (possibly empty), or None when the pool lacks them; then
+            nothing has changed.
+        """
+        if num_new_tokens < 0 or num_new_computed_tokens < 0:
+            raise ValueError(f"negative token count: num_new_tokens={num_new_tokens}, "
+                             f"num_new_computed_tokens={num_new_computed_tokens}")
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_required - num_held - len(new_computed_blocks))
+        # Hits sitting in the free queue stop counting as free once touched.
+        num_free = self.block_pool.get_num_free_blocks()
+        num_free -= sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > num_free:
+            return None
+
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+            self._req_to_block_ids[request_id] = []
+            if self.enable_caching:
+                self.stats.requests += 1
+                self.stats.queries += request.num_tokens
+                self.stats.hits += num_new_computed_tokens
+        block_ids = self._req_to_block_ids[request_id]
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            block_ids.extend(block.block_id for block in new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        block_ids.extend(block.block_id for block in new_blocks)
+
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache `request`'s blocks that are full within its first `num_computed_tokens`.
+
+        The delayed half of `allocate_slots(..., delay_cache_blocks=True)`: call it once the
+        KV of those tokens is in place (e.g. written by a KV transfer).
+        """
+        if not self.enable_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_cached = self._num_cached_block.get(request.request_id, 0)
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        if num_full <= num_cached:
+            return
+        block_hashes = self._block_hashes(request)
+        num_full = min(num_full, len(block_hashes))
+        self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
+        self._num_cached_block[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release all of `request`'s blocks and forget it. A no-op if it holds none.
+
+        Blocks are freed last block first, so the tail of a sequence is evicted before its
+        prefix (the prefix is the part other requests are likely to share).
+        """
+        request_id = request.request_id
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self._req_to_block_ids.pop(request_id, None)
+        self._req_to_block_hashes.pop(request_id, None)
+        self._num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's physical block ids in logical order (a copy; [] if it holds none)."""
+        block_ids = self._req_to_block_ids.get(request_id)
+        return list(block_ids) if block_ids is not None else []
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """The pool's invariants, plus: each block's ref_cnt equals the number of requests
+        holding it, and every hashed block sits where its hash says in each holder's chain.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        self.block_pool.check_invariants()
+        holders: Counter[int] = Counter()
+        for request_id, blocks in self.req_to_blocks.items():
+            assert self._req_to_block_ids[request_id] == [b.block_id for b in blocks], \
+                f"{request_id}: block id list out of sync"
+            assert self._num_cached_block.get(request_id, 0) <= len(blocks), \
+                f"{request_id}: more blocks cached than held"
+            hashes = self._req_to_block_hashes.get(request_id, [])
+            for i, block in enumerate(blocks):
+                assert block is not self.block_pool.null_block, f"{request_id} holds block 0"
+                holders[block.block_id] += 1
+                if block.block_hash is not None:
+                    assert i < len(hashes) and hashes[i] == block.block_hash, \
+                        f"{request_id}: block {block.block_id} at index {i} has a foreign hash"
+        assert set(self._req_to_block_ids) == set(self.req_to_blocks), "stale block id lists"
+        for block in self.block_pool.blocks[1:]:
+            assert block.ref_cnt == holders[block.block_id], \
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, " \
+                f"held by {holders[block.block_id]} requests"

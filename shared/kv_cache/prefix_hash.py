@@ -1,0 +1,111 @@
+"""Chained block hashes for automatic prefix caching, stable across processes and machines.
+
+A block's hash names its whole prefix: it covers the parent block's hash, the block's own
+token ids and (first block only) the extra keys, so two blocks with equal hashes hold equal
+KV. Gateway, prefill and decode instances must agree on these values, hence a fixed-seed
+xxh3-128 over a canonical byte encoding and never Python's `hash()` (salted per process).
+
+    hash(block i) = xxh3_128(canonical(parent = hash(block i-1) or NONE_HASH,
+                                       tokens of block i,
+                                       extra_keys if i == 0 else ()), seed=0)
+
+Canonical encoding (all little-endian):
+
+    parent (16 B) | count (u32) | token_0 (u32) ... token_{count-1} (u32) | extra key ...
+    extra key:  b"s" | len (u32) | UTF-8 bytes      (str)
+                b"b" | len (u32) | raw bytes        (bytes)
+                b"i" | value (i64)                  (int, not bool)
+
+NOTE: changing any of this changes every hash; the golden values pinned in
+tests/shared/kv_cache/test_prefix_hash.py make that a deliberate, visible edit.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+BlockHash = bytes
+"""16 bytes: the xxh3-128 digest (seed 0) of a block's canonical encoding."""
+
+ExtraKey = str | bytes | int
+
+HASH_SEED = 0
+BLOCK_HASH_NUM_BYTES = 16
+
+NONE_HASH: BlockHash = xxhash.xxh3_128_digest(b"pdserve.prefix_hash.NONE_HASH", seed=HASH_SEED)
+"""The parent of the first block of every sequence (a fixed constant)."""
+
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+
+
+def _encode_extra_key(key: ExtraKey) -> bytes:
+    if isinstance(key, str):
+        raw = key.encode("utf-8")
+        return b"s" + _U32.pack(len(raw)) + raw
+    if isinstance(key, bytes):
+        return b"b" + _U32.pack(len(key)) + key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return b"i" + _I64.pack(key)
+    raise TypeError(f"extra key must be str, bytes or int, got {type(key).__name__}")
+
+
+def hash_block_tokens(
+    parent_block_hash: BlockHash,
+    token_ids: Sequence[int],
+    extra_keys: Sequence[ExtraKey] = (),
+) -> BlockHash:
+    """Hash one block given its parent's hash.
+
+    Args:
+        parent_block_hash: the previous block's hash, or `NONE_HASH` for the first block.
+        token_ids: this block's token ids, each in [0, 2**32).
+        extra_keys: keys that separate otherwise equal prefixes (model, cache salt).
+
+    Returns:
+        The 16-byte digest.
+
+    Raises:
+        ValueError: a parent that is not 16 bytes, or a token id outside [0, 2**32).
+        TypeError: an extra key that is not str, bytes or int.
+    """
+    if len(parent_block_hash) != BLOCK_HASH_NUM_BYTES:
+        raise ValueError(f"parent_block_hash must be {BLOCK_HASH_NUM_BYTES} bytes, "
+                         f"got {len(parent_block_hash)}")
+    n = len(token_ids)
+    try:
+        data = parent_block_hash + struct.pack(f"<I{n}I", n, *token_ids)
+    except struct.error as e:
+        raise ValueError(f"token ids must be ints in [0, 2**32): {e}") from None
+    if extra_keys:
+        data += b"".join(_encode_extra_key(k) for k in extra_keys)
+    return xxhash.xxh3_128_digest(data, seed=HASH_SEED)
+
+
+def hash_request_tokens(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: Sequence[ExtraKey] = (),
+) -> list[BlockHash]:
+    """The chained hashes of every *full* block of `token_ids` (a partial tail is skipped).
+
+    `extra_keys` enter the first block only; the chain carries them to later blocks.
+    """
+    hashes: list[BlockHash] = []
+    parent = NONE_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size],
+                                   extra_keys if start == 0 else ())
+        hashes.append(parent)
+    return hashes
+
+
+def block_extra_keys(model_name: str, cache_salt: str | None) -> tuple[ExtraKey, ...]:
+    """The extra keys of a request's first block: the served model name, then the salt.
+
+    A missing salt is left out rather than encoded as "", so `None` and `""` stay distinct.
+    """
+    return (model_name,) if cache_salt is None else (model_name, cache_salt)
