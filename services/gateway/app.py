@@ -1,0 +1,96 @@
+"""build_app: the gateway's Starlette application (torch-free to import).
+
+    GatewayMiddleware (request id, API key, metrics)
+      └─ routes ─▶ CompletionServing / ChatServing / TokenizationServing
+                     └─ ServingEngine (placement + EngineBackend gRPC channels)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+
+from services.gateway.backend import EngineBackend
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import GatewayMiddleware
+from services.gateway.placement import InstanceRegistry, Placer
+from services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
+from services.gateway.serving import ServingEngine
+from services.gateway.serving_chat import ChatServing
+from services.gateway.serving_completion import CompletionServing
+from services.gateway.serving_tokenization import TokenizationServing
+from services.gateway.tokenization import GatewayTokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Gateway:
+    """Everything the handlers reach through `request.app.state.gateway`."""
+
+    config: GatewayConfig
+    tokenizer: GatewayTokenizer
+    backend: EngineBackend
+    engine: ServingEngine
+    metrics: GatewayMetrics
+    completion: CompletionServing
+    chat: ChatServing
+    tokenization: TokenizationServing
+    created: int
+
+
+def _connect_registry(config: GatewayConfig):
+    """The Redis PrefixIndex for --redis-url (None without one)."""
+    if not config.redis_url:
+        return None
+    from shared.prefix_index import PrefixIndex
+
+    # NOTE: instances register under their served model name: configure the same one here.
+    return PrefixIndex(config.redis_url, config.served_model_name)
+
+
+def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
+              registry: InstanceRegistry | None = None) -> Starlette:
+    """The gateway app. `backend` and `registry` are injectable (tests, other transports);
+    by default gRPC channels to the configured instances and the Redis prefix index."""
+    tokenizer = GatewayTokenizer(load_tokenizer(config.model_path))
+    backend = backend or EngineBackend(config.request_timeout, config.rpc_timeout)
+    owned_registry = _connect_registry(config) if registry is None else None
+    registry = registry if registry is not None else owned_registry
+    placer = Placer(config.prefill_urls, config.decode_urls, registry,
+                    config.local_prefill_threshold)
+    engine = ServingEngine(config, backend, placer)
+    metrics = GatewayMetrics()
+    chat = ChatServing(config, engine, tokenizer, metrics)
+    gateway = Gateway(config, tokenizer, backend, engine, metrics,
+                      CompletionServing(config, engine, tokenizer, metrics), chat,
+                      TokenizationServing(chat), int(time.time()))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette):
+        try:
+            info = await engine.engine_info()
+            logger.info("serving %s (max_model_len %d) via prefill %s, decode %s",
+                        config.served_model_name, info.max_model_len,
+                        list(config.prefill_urls), list(config.decode_urls))
+        except GatewayError as e:
+            logger.warning("no engine instance answered yet (%s); will retry per request", e)
+        yield
+        await backend.close()
+        tokenizer.close()
+        if owned_registry is not None:
+            await owned_registry.close()
+
+    app = Starlette(routes=ROUTES, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan,
+                    middleware=[Middleware(GatewayMiddleware, api_key=config.api_key,
+                                           metrics=metrics,
+                                           routes=frozenset(r.path for r in ROUTES))])
+    app.state.gateway = gateway
+    return app

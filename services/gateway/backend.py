@@ -1,0 +1,131 @@
+"""EngineBackend: the gateway's gRPC client of prefill and decode instances.
+
+One channel per address (created lazily, on the running loop), the prefill and decode stubs
+over it, a deadline on every call and `x-request-id` metadata on every call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import NamedTuple
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.proto import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 64 << 20
+
+
+class EngineOutput(NamedTuple):
+    """One step of one engine request, as the gateway consumes it."""
+
+    token_ids: list[int]
+    logprobs: list[engine_pb2.TokenLogprobs]
+    """Aligned with token_ids when logprobs were requested, else empty."""
+    finish_reason: int
+    """engine_pb2.FinishReason; FINISH_REASON_UNSPECIFIED while running."""
+    num_cached_tokens: int | None
+    """Prefix-cache hit of the instance that computed the prompt (first output only)."""
+
+
+class _Channel(NamedTuple):
+    channel: grpc.aio.Channel
+    prefill: engine_pb2_grpc.PrefillServiceStub
+    decode: engine_pb2_grpc.DecodeServiceStub
+    health: health_pb2_grpc.HealthStub
+
+
+class EngineBackend:
+    """Calls to prefill (Prefill, ReleaseKV, Abort, GetState) and decode (Generate, Abort,
+    GetState) instances by address. Fire-and-forget calls (Abort, ReleaseKV) are tracked so
+    `close()` can let them finish."""
+
+    def __init__(self, request_timeout: float = 600.0, rpc_timeout: float = 5.0) -> None:
+        self.request_timeout = request_timeout
+        self.rpc_timeout = rpc_timeout
+        self._channels: dict[str, _Channel] = {}
+        self._background: set[asyncio.Task] = set()
+
+    def _get(self, address: str) -> _Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            channel = grpc.aio.insecure_channel(address, options=[
+                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ])
+            ch = self._channels[address] = _Channel(
+                channel, engine_pb2_grpc.PrefillServiceStub(channel),
+                engine_pb2_grpc.DecodeServiceStub(channel), health_pb2_grpc.HealthStub(channel))
+        return ch
+
+    @staticmethod
+    def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
+        return (("x-request-id", request_id),)
+
+    async def prefill(self, address: str, request: engine_pb2.PrefillRequest,
+                      request_id: str) -> engine_pb2.PrefillResponse:
+        return await self._get(address).prefill.Prefill(
+            request, timeout=self.request_timeout, metadata=self._metadata(request_id))
+
+    def generate(self, address: str, request: engine_pb2.DecodeRequest,
+                 request_id: str) -> grpc.aio.UnaryStreamCall:
+        """The decode stream; iterate it, `cancel()` it to stop."""
+        return self._get(address).decode.Generate(
+            request, timeout=self.request_timeout, metadata=self._metadata(request_id))
+
+    async def get_state(self, address: str, role: str) -> engine_pb2.EngineState:
+        stub = self._get(address).prefill if role == "prefill" else self._get(address).decode
+        return await stub.GetState(engine_pb2.GetStateRequest(), timeout=self.rpc_timeout)
+
+    async def is_serving(self, address: str) -> bool:
+        """grpc.health.v1 Check of the whole server ("" service)."""
+        try:
+            resp = await self._get(address).health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.rpc_timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _abort(self, address: str, role: str, engine_request_ids: list[str],
+                     request_id: str) -> None:
+        ch = self._get(address)
+        stub = ch.prefill if role == "prefill" else ch.decode
+        try:
+            await stub.Abort(engine_pb2.AbortRequest(request_ids=engine_request_ids),
+                             timeout=self.rpc_timeout, metadata=self._metadata(request_id))
+        except grpc.aio.AioRpcError as e:
+            logger.warning("[%s] Abort on %s %s failed: %s", request_id, role, address,
+                           e.code().name)
+
+    async def _release_kv(self, address: str, engine_request_id: str, request_id: str) -> None:
+        try:
+            await self._get(address).prefill.ReleaseKV(
+                engine_pb2.ReleaseKVRequest(request_id=engine_request_id),
+                timeout=self.rpc_timeout, metadata=self._metadata(request_id))
+        except grpc.aio.AioRpcError as e:
+            logger.warning("[%s] ReleaseKV on %s failed: %s", request_id, address,
+                           e.code().name)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def abort_soon(self, address: str, role: str, engine_request_ids: list[str],
+                   request_id: str) -> None:
+        """Send Abort without waiting (safe inside a cancelled task's cleanup)."""
+        self._spawn(self._abort(address, role, engine_request_ids, request_id))
+
+    def release_kv_soon(self, address: str, engine_request_id: str, request_id: str) -> None:
+        self._spawn(self._release_kv(address, engine_request_id, request_id))
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self.rpc_timeout)
+        for ch in self._channels.values():
+            await ch.channel.close()
+        self._channels.clear()

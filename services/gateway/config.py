@@ -1,0 +1,113 @@
+"""GatewayConfig: the gateway's flags (vLLM spellings) and PDSERVE_* variables, frozen once.
+
+Precedence: command-line flag > PDSERVE_<FLAG> environment variable > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    model_path: str
+    """Local HF directory holding the tokenizer and chat template."""
+    served_model_name: str = DEFAULT_MODEL
+    """The name clients use (OpenAI `model`); also a prefix-hash extra key for routing."""
+    host: str = "0.0.0.0"
+    port: int = 8000
+    max_model_len: int | None = None
+    """Prompt + output tokens; None: read from the backends' GetState."""
+    prefill_urls: tuple[str, ...] = ()
+    """Static prefill instances, `host:port` each (used when the registry has none)."""
+    decode_urls: tuple[str, ...] = ()
+    """Static decode instances, `host:port` each."""
+    redis_url: str | None = None
+    """The Redis prefix index; None: static lists only."""
+    api_key: str | None = None
+    """If set, every route but /health needs `Authorization: Bearer <api_key>`."""
+    local_prefill_threshold: int = 0
+    """Prompts whose uncached part is shorter than this go straight to a decode instance."""
+    request_timeout: float = 600.0
+    """Deadline of the Prefill and Generate calls, seconds."""
+    rpc_timeout: float = 5.0
+    """Deadline of the small calls (Abort, ReleaseKV, GetState, health checks), seconds."""
+    max_body_size: int = 16 << 20
+    """Largest accepted request body, bytes (413 above)."""
+    max_n: int = 128
+    """Largest `n` one request may ask for."""
+    block_size: int = 16
+    """KV block size for routing hashes when the backends do not report theirs."""
+    log_level: str = "info"
+
+    @property
+    def has_backends(self) -> bool:
+        return bool(self.prefill_urls or self.decode_urls or self.redis_url)
+
+
+def _env(name: str, default):
+    return os.environ.get("PDSERVE_" + name.upper(), default)
+
+
+def _split_urls(values: list[str] | None) -> tuple[str, ...]:
+    """`--prefill-url a:1 --prefill-url b:2` or `--prefill-url a:1,b:2`; grpc:// is dropped."""
+    out: list[str] = []
+    for v in values or []:
+        for part in v.split(","):
+            part = part.strip().removeprefix("grpc://").removeprefix("http://").rstrip("/")
+            if part:
+                out.append(part)
+    return tuple(dict.fromkeys(out))
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--host", default=_env("host", "0.0.0.0"))
+    g.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    g.add_argument("--model", default=_env("model", DEFAULT_MODEL),
+                   help="HF directory or the default model name (for the tokenizer)")
+    g.add_argument("--served-model-name", default=_env("served_model_name", None))
+    g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None),
+                   help="default: what the backends report")
+    g.add_argument("--prefill-url", action="append", default=None,
+                   help="prefill instance host:port (repeat or comma-separate)")
+    g.add_argument("--decode-url", action="append", default=None,
+                   help="decode instance host:port (repeat or comma-separate)")
+    g.add_argument("--redis-url", default=_env("redis_url", None))
+    g.add_argument("--api-key", default=_env("api_key", None))
+    g.add_argument("--local-prefill-threshold", type=int,
+                   default=int(_env("local_prefill_threshold", 0)))
+    g.add_argument("--request-timeout", type=float, default=float(_env("request_timeout", 600)))
+    g.add_argument("--rpc-timeout", type=float, default=float(_env("rpc_timeout", 5)))
+    g.add_argument("--max-body-size", type=int, default=int(_env("max_body_size", 16 << 20)))
+    g.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
+    g.add_argument("--log-level", default=_env("log_level", "info"))
+    return parser
+
+
+def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
+    """Resolve the model directory and freeze the config.
+
+    Raises:
+        FileNotFoundError: the model is not a local directory and was never converted.
+    """
+    from shared.models.convert import resolve_model_path
+
+    # NOTE: convert=False: conversion imports torch; the engine services convert first.
+    model_path = str(resolve_model_path(ns.model, convert=False))
+    name = ns.served_model_name or (
+        ns.model if os.sep not in ns.model else os.path.basename(model_path.rstrip(os.sep)))
+    prefill = ns.prefill_url or [_env("prefill_url", "")]
+    decode = ns.decode_url or [_env("decode_url", "")]
+    return GatewayConfig(
+        model_path=model_path, served_model_name=name, host=ns.host, port=ns.port,
+        max_model_len=int(ns.max_model_len) if ns.max_model_len else None,
+        prefill_urls=_split_urls(prefill), decode_urls=_split_urls(decode),
+        redis_url=ns.redis_url or None, api_key=ns.api_key or None,
+        local_prefill_threshold=ns.local_prefill_threshold,
+        request_timeout=ns.request_timeout, rpc_timeout=ns.rpc_timeout,
+        max_body_size=ns.max_body_size, block_size=ns.block_size, log_level=ns.log_level)

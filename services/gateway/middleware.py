@@ -1,0 +1,85 @@
+"""One pure-ASGI middleware: X-Request-Id, the API key, and per-route request metrics.
+
+Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and a
+client disconnect still reaches the endpoint.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import secrets
+import time
+import uuid
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.errors import GatewayError, error_response
+from services.gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger("services.gateway.access")
+
+# Client ids travel as gRPC metadata and in log lines: keep them short and printable.
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+PUBLIC_ROUTES = frozenset({"/health"})
+
+
+class GatewayMiddleware:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: GatewayMetrics,
+                 routes: frozenset[str]) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.metrics = metrics
+        self.routes = routes
+
+    def _is_authorized(self, headers: Headers) -> bool:
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        client_id = headers.get("x-request-id", "")
+        if _REQUEST_ID_RE.fullmatch(client_id):
+            request_id = client_id
+            # Two clients may send the same id: the engine ids must stay unique.
+            engine_prefix = f"{client_id}-{secrets.token_hex(4)}"
+        else:
+            request_id = engine_prefix = uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state.update(request_id=request_id, engine_request_prefix=engine_prefix,
+                     arrival_time=time.monotonic())
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).append("x-request-id", request_id)
+            await send(message)
+
+        self.metrics.requests_running.inc()
+        try:
+            if self.api_key and path not in PUBLIC_ROUTES and not self._is_authorized(headers):
+                err = GatewayError("Invalid or missing API key.", 401)
+                await error_response(err, {"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.monotonic() - state["arrival_time"]
+            logger.info("[%s] %s %s %d %.3fs", request_id, scope["method"], path, status,
+                        elapsed)
+            self.metrics.requests_running.dec()
+            self.metrics.requests.labels(route, str(status)).inc()
+            if route in GENERATION_ROUTES and status == 200:
+                self.metrics.e2e_request_latency.labels(route).observe(elapsed)

@@ -1,0 +1,108 @@
+"""ChoiceProcessor: engine outputs of one choice -> text deltas, finish reason and logprobs.
+
+Tokens are taken one at a time: detokenized incrementally, passed through the stop checker,
+and counted. A stop string ends the choice on the token that completed it (later tokens of
+the same engine output are dropped, as if never generated). When the engine finishes
+(EOS / stop token -> "stop", max_tokens -> "length"), the detokenizer and the stop checker
+release what they held. The stop token itself is not detokenized unless
+`include_stop_str_in_output` (vLLM's rule), so EOS markers never reach the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.gateway.backend import EngineOutput
+from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
+from services.gateway.errors import GatewayError
+from services.gateway.stop_checker import StopChecker
+from shared.proto import engine_pb2
+
+_FINISH_REASONS = {
+    engine_pb2.FINISH_REASON_UNSPECIFIED: None,
+    engine_pb2.FINISH_REASON_STOP: "stop",
+    engine_pb2.FINISH_REASON_LENGTH: "length",
+}
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The requested number of most likely (token_id, logprob), most likely first."""
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one engine output adds to one choice."""
+
+    index: int
+    text: str
+    num_tokens: int
+    logprobs: list[TokenLogprob] | None
+    """One per token counted in `num_tokens`; None when not requested."""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the choice (vLLM's extension)."""
+
+
+class ChoiceProcessor:
+    def __init__(self, index: int, decoder: Decoder, prompt_token_ids: Sequence[int], *,
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
+                 logprobs: bool = False, skip_special_tokens: bool = True) -> None:
+        self.index = index
+        self._detokenizer = IncrementalDetokenizer(decoder, prompt_token_ids,
+                                                   skip_special_tokens)
+        self._stop_checker = StopChecker(stop, include_stop_str_in_output)
+        self._include_stop = include_stop_str_in_output
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._min_tokens = min_tokens
+        self._logprobs = logprobs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    def process(self, out: EngineOutput) -> ChoiceDelta:
+        if self.finish_reason is not None:
+            raise RuntimeError(f"choice {self.index} already finished")
+        if out.finish_reason == engine_pb2.FINISH_REASON_ABORT:
+            raise GatewayError("the engine aborted the request", 503)
+        engine_finish = _FINISH_REASONS.get(out.finish_reason)
+        if out.num_cached_tokens is not None:
+            self.num_cached_tokens = out.num_cached_tokens
+        delta = ChoiceDelta(self.index, "", 0, [] if self._logprobs else None)
+        pieces: list[str] = []
+        last = len(out.token_ids) - 1
+        for j, token_id in enumerate(out.token_ids):
+            self.num_output_tokens += 1
+            delta.num_tokens += 1
+            if delta.logprobs is not None and j < len(out.logprobs):
+                lp = out.logprobs[j]
+                delta.logprobs.append(TokenLogprob(
+                    token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs))))
+            if j == last and engine_finish == "stop" and not self._include_stop:
+                break  # the EOS / stop token: counted, never detokenized
+            piece = self._detokenizer.step(token_id)
+            if piece:
+                can_stop = self.num_output_tokens >= self._min_tokens
+                pieces.append(self._stop_checker.feed(piece, can_stop))
+                if self._stop_checker.is_stopped:
+                    delta.finish_reason, delta.stop_reason = "stop", self._stop_checker.stop_str
+                    break
+        if delta.finish_reason is None and engine_finish is not None:
+            pieces.append(self._stop_checker.feed(self._detokenizer.flush()))
+            if self._stop_checker.is_stopped:
+                delta.finish_reason, delta.stop_reason = "stop", self._stop_checker.stop_str
+            else:
+                pieces.append(self._stop_checker.flush())
+                delta.finish_reason = engine_finish
+                if engine_finish == "stop" and out.token_ids and \
+                        out.token_ids[-1] in self._stop_token_ids:
+                    delta.stop_reason = out.token_ids[-1]
+        delta.text = "".join(pieces)
+        self.finish_reason = delta.finish_reason
+        return delta

@@ -1,0 +1,138 @@
+"""Placement: which prefill and decode instance serve a request (cache-aware, then least loaded).
+
+Candidates come from the live registry (`shared.prefix_index.PrefixIndex`, or any object
+with the same two methods) and, when it has none or is down, from the static
+`--prefill-url` / `--decode-url` lists. Per docs/services-contracts.md:
+
+1. score each candidate by the number of leading prompt blocks it holds cached (one
+   pipelined Redis lookup over the prompt's block hashes), highest first;
+2. break ties by load: the instance's `num_running + num_waiting` plus the requests this
+   gateway has in flight there;
+3. if the prompt's part not cached on the chosen decode instance is shorter than
+   `local_prefill_threshold` tokens (or no prefill instance exists), skip the prefill
+   instance: the decode instance prefills locally (conditional disaggregation).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+
+logger = logging.getLogger(__name__)
+
+LIVE_CACHE_SECONDS = 1.0
+
+
+class InstanceRegistry(Protocol):
+    """What placement needs from the prefix index (shared/prefix_index.py's PrefixIndex)."""
+
+    async def live_instances(self, role: str | None = None) -> list[Any]:
+        """Instances with `instance_id`, `role`, `address`, `num_running`, `num_waiting`."""
+        ...
+
+    async def longest_prefix(self, block_hashes: list[bytes]) -> dict[str, int]:
+        """instance_id -> number of leading blocks of `block_hashes` it holds."""
+        ...
+
+
+class Candidate(NamedTuple):
+    address: str
+    instance_id: str
+    load: int
+    num_cached_blocks: int
+
+
+class Placement(NamedTuple):
+    prefill_address: str | None
+    """None: the decode instance prefills the prompt itself."""
+    decode_address: str
+
+
+class Placer:
+    def __init__(self, prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (),
+                 registry: InstanceRegistry | None = None, local_prefill_threshold: int = 0):
+        self.prefill_urls = tuple(prefill_urls)
+        self.decode_urls = tuple(decode_urls)
+        self.registry = registry
+        self.local_prefill_threshold = local_prefill_threshold
+        self._in_flight: Counter[str] = Counter()
+        self._live_cache: dict[str, tuple[float, list[Any]]] = {}
+        self._registry_warned = False
+
+    def begin(self, address: str) -> None:
+        self._in_flight[address] += 1
+
+    def end(self, address: str) -> None:
+        self._in_flight[address] -= 1
+        if self._in_flight[address] <= 0:
+            del self._in_flight[address]
+
+    async def _live(self, role: str) -> list[Any]:
+        """Live instances of `role`, cached for LIVE_CACHE_SECONDS (heartbeats are 3 s)."""
+        if self.registry is None:
+            return []
+        now = time.monotonic()
+        cached = self._live_cache.get(role)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            live = [i for i in await self.registry.live_instances(role) if i.role == role]
+            self._registry_warned = False
+        except Exception as e:  # the registry is optional: fall back to the static lists
+            if not self._registry_warned:
+                logger.warning("registry unavailable (%s); using static instance lists", e)
+                self._registry_warned = True
+            live = []
+        self._live_cache[role] = (now + LIVE_CACHE_SECONDS, live)
+        return live
+
+    async def addresses(self, role: str) -> list[str]:
+        """Every known instance of `role` (registry first, then the static list)."""
+        live = [i.address for i in await self._live(role)]
+        static = self.prefill_urls if role == "prefill" else self.decode_urls
+        return list(dict.fromkeys(live + list(static)))
+
+    async def _candidates(self, role: str, cached: dict[str, int]) -> list[Candidate]:
+        live = await self._live(role)
+        if live:
+            out = [Candidate(i.address, i.instance_id,
+                             int(i.num_running) + int(i.num_waiting) + self._in_flight[i.address],
+                             cached.get(i.instance_id, 0)) for i in live]
+        else:
+            static = self.prefill_urls if role == "prefill" else self.decode_urls
+            out = [Candidate(a, a, self._in_flight[a], 0) for a in static]
+        return out
+
+    @staticmethod
+    def _best(candidates: list[Candidate]) -> Candidate | None:
+        # Most cached blocks first, then least load; stable on the list order otherwise.
+        return min(candidates, key=lambda c: (-c.num_cached_blocks, c.load), default=None)
+
+    async def _cached_blocks(self, prompt_token_ids: Sequence[int], model_name: str,
+                             cache_salt: str | None, block_size: int) -> dict[str, int]:
+        if self.registry is None or len(prompt_token_ids) < block_size:
+            return {}
+        hashes = hash_request_tokens(prompt_token_ids, block_size,
+                                     block_extra_keys(model_name, cache_salt))
+        try:
+            return dict(await self.registry.longest_prefix(hashes))
+        except Exception:  # no affinity without the index, but still serve
+            return {}
+
+    async def place(self, prompt_token_ids: Sequence[int], *, model_name: str,
+                    block_size: int, cache_salt: str | None = None) -> Placement | None:
+        """Pick the instances for one engine request; None when no decode instance exists."""
+        cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size)
+        decode = self._best(await self._candidates("decode", cached))
+        if decode is None:
+            return None
+        uncached = len(prompt_token_ids) - decode.num_cached_blocks * block_size
+        prefill = self._best(await self._candidates("prefill", cached))
+        if prefill is None or uncached < self.local_prefill_threshold:
+            return Placement(None, decode.address)
+        return Placement(prefill.address, decode.address)

@@ -1,0 +1,174 @@
+"""OpenAI request models (strict JSON types), parsed from raw bytes into GatewayError on failure.
+
+As in vLLM, fields the models do not name are accepted and ignored; fields the OpenAI API
+defines but pdserve cannot honour (`suffix`, `logit_bias`, tools, images, ...) are refused
+with a 400 naming the field. Types are strict (`"stream": "yes"` and `"max_tokens": "ten"`
+are errors) so a malformed body is a 400, never a surprise later.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from services.gateway.errors import GatewayError, bad_request
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """Fields both generation endpoints share (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None
+    response_format: dict | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: list[int] | list[list[int]] | str | list[str]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """/tokenize: either `prompt` (completions) or `messages` (chat), as in vLLM."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+_M = TypeVar("_M", bound=OpenAIBaseModel)
+_TYPE_TAG = re.compile(r"str|int|float|bool|dict|\w*\[.*\]")
+
+
+def parse_request(model_cls: type[_M], body: bytes) -> _M:
+    """Parse and type-check a JSON body.
+
+    Raises:
+        GatewayError: 400 naming the first offending field.
+    """
+    try:
+        return model_cls.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_input=False)[0]
+        if err["type"] == "json_invalid":
+            raise bad_request(f"The body is not valid JSON: {err['msg']}") from None
+        # Union branches show up in the path as type names ("str", "list[int]"): drop them.
+        loc = [str(x) for x in err["loc"] if not _TYPE_TAG.fullmatch(str(x))]
+        if not loc:
+            raise bad_request(f"The body must be a JSON object: {err['msg']}") from None
+        path = ".".join(loc)
+        raise GatewayError(f"Invalid value for '{path}': {err['msg']}", 400, loc[0]) from None
+
+
+def check_unsupported(req: SamplingRequest) -> None:
+    """Refuse the OpenAI fields pdserve does not implement, naming them."""
+    if isinstance(req, CompletionRequest) and req.suffix is not None:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of different from n is not supported", "best_of")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported",
+                          "response_format")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported", "tool_choice")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options can only be set when stream is true",
+                          "stream_options")
+    if any(s == "" for s in req.stop_list):
+        raise bad_request("stop strings must not be empty", "stop")

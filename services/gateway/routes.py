@@ -1,0 +1,121 @@
+"""HTTP routes: thin handlers (read, parse, delegate) and the error handlers."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.gateway.errors import GatewayError, error_response
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
+from services.gateway.serving import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+
+# nginx's "client closed request": logged and counted, never seen by the client.
+_CLIENT_CLOSED = 499
+
+
+async def read_body(request: Request) -> bytes:
+    """The request body, refusing more than --max-body-size bytes (413)."""
+    limit = request.app.state.gateway.config.max_body_size
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise GatewayError(f"The request body exceeds {limit} bytes.", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(f"The request body exceeds {limit} bytes.", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def list_models(request: Request) -> Response:
+    gw = request.app.state.gateway
+    return JSONResponse({"object": "list", "data": [{
+        "id": gw.config.served_model_name, "object": "model", "created": gw.created,
+        "owned_by": "pdserve", "root": gw.config.model_path,
+        "max_model_len": await gw.tokenization.max_model_len()}]})
+
+
+async def create_completion(request: Request) -> Response:
+    req = parse_request(CompletionRequest, await read_body(request))
+    return await request.app.state.gateway.completion.create(req, request)
+
+
+async def create_chat_completion(request: Request) -> Response:
+    req = parse_request(ChatCompletionRequest, await read_body(request))
+    return await request.app.state.gateway.chat.create(req, request)
+
+
+async def tokenize(request: Request) -> Response:
+    req = parse_request(TokenizeRequest, await read_body(request))
+    return JSONResponse(await request.app.state.gateway.tokenization.tokenize(req))
+
+
+async def detokenize(request: Request) -> Response:
+    req = parse_request(DetokenizeRequest, await read_body(request))
+    return JSONResponse(await request.app.state.gateway.tokenization.detokenize(req))
+
+
+async def health(request: Request) -> Response:
+    """200 only when at least one prefill and one decode instance are SERVING."""
+    healthy = await request.app.state.gateway.engine.is_healthy()
+    return Response(status_code=200 if healthy else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.gateway.metrics.render(),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+ROUTES = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/completions", create_completion, methods=["POST"]),
+    Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+]
+
+
+async def _gateway_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, GatewayError)
+    return error_response(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return error_response(GatewayError(exc.detail or "error", exc.status_code))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    logger.info("[%s] client disconnected; request cancelled",
+                getattr(request.state, "request_id", "-"))
+    return Response(status_code=_CLIENT_CLOSED)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("[%s] unhandled error", getattr(request.state, "request_id", "-"),
+                 exc_info=exc)
+    return error_response(GatewayError("Internal server error.", 500))
+
+
+EXCEPTION_HANDLERS = {
+    GatewayError: _gateway_error,
+    HTTPException: _http_error,
+    ClientDisconnected: _client_gone,
+    ClientDisconnect: _client_gone,
+    Exception: _internal_error,
+}

@@ -1,0 +1,111 @@
+"""From an OpenAI request to validated engine sampling params, and the context-length check.
+
+Every refusal is a 400 naming the field. Values are range-checked here (including what
+would overflow the proto's int32/int64/float fields), so nothing invalid reaches an engine.
+"""
+
+from __future__ import annotations
+
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.protocol import SamplingRequest
+from shared.proto import engine_pb2
+from shared.sampling_params import SamplingParams
+
+_INT32_MAX = 2**31 - 1
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FLOAT32_MAX = 3.4e38
+MAX_LOGPROBS = 20
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    for t in token_ids:
+        if not 0 <= t < vocab_size:
+            raise bad_request(f"token id {t} is out of range [0, {vocab_size})", param)
+
+
+def check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+
+
+def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, *,
+                       default: int | None, param: str = "max_tokens") -> int:
+    """The number of tokens to generate; 400 when prompt + output cannot fit the context.
+
+    Args:
+        requested: the client's max_tokens (None: `default`, or all the remaining context).
+        default: the endpoint's default (16 for completions, None for chat).
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the "
+            f"input.", "messages" if param == "max_completion_tokens" else "prompt")
+    remaining = max_model_len - num_prompt_tokens
+    if requested is None:
+        return min(default, remaining) if default is not None else remaining
+    if requested > remaining:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"input, {requested} for the completion). Please reduce the length of the input "
+            f"or of {param}.", param)
+    return requested
+
+
+def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                          vocab_size: int, max_n: int,
+                          max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """Validated sampling params (defaults filled in as OpenAI and vLLM do).
+
+    Args:
+        max_tokens_param: the request field max_tokens came from (for error messages).
+    """
+    if not 1 <= req.n <= max_n:
+        raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
+    if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX - max_n:
+        raise bad_request("seed must fit in a signed 64-bit integer", "seed")
+    for name in ("top_k", "min_tokens"):
+        value = getattr(req, name)
+        if value is not None and abs(value) > _INT32_MAX:
+            raise bad_request(f"{name} is out of range", name)
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None and abs(value) > _FLOAT32_MAX:
+            raise bad_request(f"{name} is out of range", name)
+    stop_token_ids = list(req.stop_token_ids or [])
+    check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, stop_token_ids=stop_token_ids,
+            ignore_eos=req.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens)
+    except ValueError as e:
+        message = str(e)
+        if message.startswith("max_tokens "):
+            message = max_tokens_param + message.removeprefix("max_tokens")
+        raise GatewayError(message, 400, message.split(" ", 1)[0]) from None
+
+
+def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingParams:
+    """The wire form for choice number `choice` (seed + choice, as vLLM fans out n)."""
+    params = engine_pb2.SamplingParams(
+        temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens or 0,
+        min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos)
+    if sp.seed is not None:
+        params.seed = sp.seed + choice
+    if sp.logprobs is not None:
+        params.logprobs = sp.logprobs
+    return params

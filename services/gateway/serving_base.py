@@ -1,0 +1,159 @@
+"""OpenAIServing: what the completions and chat endpoints share.
+
+Fan-out (`n` choices per prompt, seeds seed+i, engine ids `<prefix>-<choice index>`),
+waiting for the first output before answering (so a refusal by the engine is still a plain
+JSON error with its own status, also for `stream: true`), SSE framing and usage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError, model_not_found
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
+from services.gateway.sampling import to_engine_params
+from services.gateway.serving import ServingEngine, merge_streams, run_until_disconnect
+from services.gateway.tokenization import GatewayTokenizer
+from shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+
+
+@dataclass(slots=True)
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None
+    """The prompt as text, when echo or text offsets need it."""
+
+
+@dataclass(slots=True)
+class ChoiceRun:
+    """The running choices of one HTTP request."""
+
+    prompts: list[PromptInput]
+    processors: list[ChoiceProcessor]
+    deltas: AsyncIterator[ChoiceDelta]
+
+    def usage(self) -> dict:
+        n = len(self.processors) // max(len(self.prompts), 1)
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(p.num_output_tokens for p in self.processors)
+        cached = sum(max((p.num_cached_tokens for p in self.processors[i * n:(i + 1) * n]),
+                         default=0) for i in range(len(self.prompts)))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def clamp_logprob(value: float) -> float:
+    return value if value >= _MIN_LOGPROB else _MIN_LOGPROB  # also maps NaN
+
+
+def sse_event(data: dict | str) -> str:
+    if isinstance(data, str):
+        return f"data: {data}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def static_deltas(deltas: Sequence[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    for d in deltas:
+        yield d
+
+
+class OpenAIServing:
+    route = ""
+
+    def __init__(self, config: GatewayConfig, engine: ServingEngine,
+                 tokenizer: GatewayTokenizer, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.served_model_name:
+            raise model_not_found(model)
+
+    def start(self, prompts: list[PromptInput], sampling: list[SamplingParams], *,
+              stop: list[str], include_stop_str_in_output: bool, logprobs: bool,
+              cache_salt: str | None, engine_prefix: str, request_id: str) -> ChoiceRun:
+        """Start n engine requests per prompt; choice index = prompt index * n + i."""
+        processors, streams = [], []
+        for p, (prompt, sp) in enumerate(zip(prompts, sampling, strict=True)):
+            for i in range(sp.n):
+                index = p * sp.n + i
+                proc = ChoiceProcessor(
+                    index, self.tokenizer, prompt.token_ids, stop=stop,
+                    include_stop_str_in_output=include_stop_str_in_output,
+                    stop_token_ids=sp.stop_token_ids, min_tokens=sp.min_tokens,
+                    logprobs=logprobs, skip_special_tokens=sp.skip_special_tokens)
+                processors.append(proc)
+                streams.append(self.engine.run_choice(
+                    proc, f"{engine_prefix}-{index}", prompt.token_ids,
+                    to_engine_params(sp, i), cache_salt=cache_salt, request_id=request_id))
+        return ChoiceRun(prompts, processors, merge_streams(streams))
+
+    def _observe_ttft(self, request: Request) -> None:
+        self.metrics.time_to_first_token.labels(self.route).observe(
+            time.monotonic() - request.state.arrival_time)
+
+    def _count_tokens(self, run: ChoiceRun) -> None:
+        usage = run.usage()
+        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
+        self.metrics.generation_tokens.inc(usage["completion_tokens"])
+
+    async def respond(self, request: Request, run: ChoiceRun, stream: bool,
+                      build_response: Callable[[ChoiceRun, list[ChoiceDelta]], dict],
+                      stream_chunks: Callable[[ChoiceRun, ChoiceDelta | None],
+                                              AsyncIterator[dict]],
+                      include_usage: bool, chunk_meta: dict) -> Response:
+        """Collect (non-streamed) or stream the choices; aborts them if the client leaves.
+
+        `stream_chunks(run, first)` yields the chunk payloads of a stream that starts with
+        the delta `first`; the usage chunk and [DONE] are added here.
+        """
+        if not stream:
+            deltas = await run_until_disconnect(request.receive, self._collect(request, run))
+            self._count_tokens(run)
+            return JSONResponse(build_response(run, deltas))
+        first = await run_until_disconnect(request.receive, anext(run.deltas, None))
+        if first is not None:
+            self._observe_ttft(request)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for chunk in stream_chunks(run, first):
+                    yield sse_event(chunk)
+                if include_usage:
+                    yield sse_event({**chunk_meta, "choices": [], "usage": run.usage()})
+            except GatewayError as e:
+                yield sse_event(e.to_dict())
+            except Exception:
+                logger.exception("[%s] stream failed", request.state.request_id)
+                yield sse_event(GatewayError("internal error", 500).to_dict())
+            finally:
+                await run.deltas.aclose()
+                self._count_tokens(run)
+            yield sse_event("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _collect(self, request: Request, run: ChoiceRun) -> list[ChoiceDelta]:
+        deltas = []
+        async for d in run.deltas:
+            if not deltas:
+                self._observe_ttft(request)
+            deltas.append(d)
+        return deltas

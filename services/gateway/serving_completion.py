@@ -1,0 +1,159 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of them), echo, integer logprobs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.gateway.errors import bad_request
+from services.gateway.output_processor import ChoiceDelta, TokenLogprob
+from services.gateway.protocol import CompletionRequest, check_unsupported
+from services.gateway.sampling import (
+    build_sampling_params,
+    check_logprobs,
+    check_token_ids,
+    resolve_max_tokens,
+)
+from services.gateway.serving_base import (
+    ChoiceRun,
+    OpenAIServing,
+    PromptInput,
+    clamp_logprob,
+    static_deltas,
+)
+
+_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this endpoint
+
+
+class CompletionServing(OpenAIServing):
+    route = "/v1/completions"
+
+    async def _prompts(self, req: CompletionRequest) -> list[PromptInput]:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(PromptInput(
+                    await self.tokenizer.encode_prompt(p, req.add_special_tokens), p))
+            else:
+                check_token_ids(p, self.tokenizer.vocab_size, "prompt")
+                out.append(PromptInput(list(p)))
+            if not out[-1].token_ids:
+                raise bad_request("prompt must not be empty", "prompt")
+        return out
+
+    def prompt_text(self, prompt: PromptInput) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        return prompt.text
+
+    async def create(self, req: CompletionRequest, request: Request) -> Response:
+        check_unsupported(req)
+        self.check_model(req.model)
+        check_logprobs(req.logprobs, "logprobs")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which the engine "
+                              "does not return yet", "echo")
+        prompts = await self._prompts(req)
+        max_model_len = (await self.engine.engine_info()).max_model_len
+        # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
+        echo_only = req.echo and req.max_tokens == 0
+        sampling = [build_sampling_params(
+            req, max_tokens=resolve_max_tokens(
+                len(p.token_ids), None if echo_only else req.max_tokens, max_model_len,
+                default=_DEFAULT_MAX_TOKENS),
+            logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n)
+            for p in prompts]
+        state = request.state
+        if echo_only:
+            run = ChoiceRun(prompts, [], static_deltas([
+                ChoiceDelta(i, "", 0, None, "length") for i in range(len(prompts) * req.n)]))
+        else:
+            run = self.start(prompts, sampling, stop=req.stop_list,
+                             include_stop_str_in_output=req.include_stop_str_in_output,
+                             logprobs=req.logprobs is not None, cache_salt=req.cache_salt,
+                             engine_prefix=state.engine_request_prefix,
+                             request_id=state.request_id)
+        out = _CompletionOutput(self, req, prompts, f"cmpl-{state.request_id}")
+        return await self.respond(request, run, bool(req.stream), out.build_response,
+                                  out.stream_chunks, req.include_usage, out.meta)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.token_text(token_id)
+
+
+class _CompletionOutput:
+    """The response (or stream chunks) of one completion request."""
+
+    def __init__(self, serving: CompletionServing, req: CompletionRequest,
+                 prompts: list[PromptInput], response_id: str) -> None:
+        self.serving, self.req, self.prompts, self.n = serving, req, prompts, req.n
+        self.meta = {"id": response_id, "object": "text_completion",
+                     "created": int(time.time()), "model": serving.config.served_model_name}
+        self.usage_key = {"usage": None} if req.include_usage else {}
+        # OpenAI's text_offset counts from the start of the prompt.
+        self.offsets = {i: len(serving.prompt_text(prompts[i // req.n]))
+                        if req.logprobs is not None else 0
+                        for i in range(len(prompts) * req.n)}
+
+    def _echo(self, index: int) -> str:
+        return self.serving.prompt_text(self.prompts[index // self.n]) if self.req.echo else ""
+
+    def build_response(self, run: ChoiceRun, deltas: list[ChoiceDelta]) -> dict:
+        choices: dict[int, dict] = {}
+        for d in deltas:
+            c = choices.setdefault(d.index, {
+                "index": d.index, "text": self._echo(d.index),
+                "logprobs": _new_logprobs() if d.logprobs is not None else None,
+                "finish_reason": None, "stop_reason": None})
+            c["text"] += d.text
+            if d.logprobs is not None:
+                self._add_logprobs(c["logprobs"], d.logprobs, d.index)
+            if d.finish_reason is not None:
+                c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
+        return {**self.meta, "choices": [choices[i] for i in sorted(choices)],
+                "usage": run.usage()}
+
+    async def stream_chunks(self, run: ChoiceRun, first: ChoiceDelta | None
+                            ) -> AsyncIterator[dict]:
+        echoed: set[int] = set()
+        delta = first
+        while delta is not None:
+            text = delta.text
+            if delta.index not in echoed:
+                echoed.add(delta.index)
+                text = self._echo(delta.index) + text
+            if text or delta.logprobs or delta.finish_reason is not None:
+                lps = None if delta.logprobs is None else self._add_logprobs(
+                    _new_logprobs(), delta.logprobs, delta.index)
+                yield {**self.meta, "choices": [{
+                    "index": delta.index, "text": text, "logprobs": lps,
+                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}],
+                    **self.usage_key}
+            delta = await anext(run.deltas, None)
+
+    def _add_logprobs(self, out: dict, logprobs: list[TokenLogprob], index: int) -> dict:
+        token_text = self.serving.token_text
+        for lp in logprobs:
+            token = token_text(lp.token_id)
+            top = {token_text(t): clamp_logprob(v) for t, v in lp.top}
+            top.setdefault(token, clamp_logprob(lp.logprob))
+            out["tokens"].append(token)
+            out["token_logprobs"].append(clamp_logprob(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offsets[index])
+            self.offsets[index] += len(token)
+        return out
+
+
+def _new_logprobs() -> dict:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
