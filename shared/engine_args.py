@@ -28,7 +28,8 @@ def parse_size(text: str | int) -> int:
             return int(float(s[:-1]) * mult[s[-1]])
         return int(float(s))
     except ValueError:
-        raise ValueError(f"kv_cache_memory: cannot read size {text!r} (e.g. 2GiB, 512MiB)")
+        raise ValueError(
+            f"kv_cache_memory: cannot read size {text!r} (e.g. 2GiB, 512MiB)") from None
 
 
 def parse_cores(text: str) -> tuple[int, ...]:
@@ -98,7 +99,7 @@ class EngineArgs:
         return parser
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
 

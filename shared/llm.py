@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from shared.engine.engine_core import EngineCore
 from shared.engine_args import EngineArgs

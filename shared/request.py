@@ -29,7 +29,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
 

@@ -12,19 +12,16 @@ import asyncio
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 
-from services.gateway.chat_encoding import encode_chat
+from shared.chat_encoding import encode_chat
+from shared.tokenizer import get_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-@lru_cache(maxsize=4)
 def load_tokenizer(model_path: str):
     """The fast tokenizer of a local model directory (never from a hub, never torch)."""
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(model_path, local_files_only=True)
+    return get_tokenizer(model_path)
 
 
 class GatewayTokenizer:

@@ -38,7 +38,7 @@ class LlamaArgs:
     attention_bias: bool
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
+    def from_hf_config(cls, cfg: dict) -> LlamaArgs:
         """Raises ValueError for an architecture this file does not implement."""
         archs = cfg.get("architectures") or []
         supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}

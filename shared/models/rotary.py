@@ -27,8 +27,8 @@ def rope_theta_from_config(cfg: dict) -> float:
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
-                                / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
     if rope_type == "default":
         return inv_freq
@@ -61,7 +61,7 @@ class RotaryEmbedding:
         self.sin = emb.sin()
         self.half = head_dim // 2
 
-    def to(self, device: torch.device | str, dtype: torch.dtype) -> "RotaryEmbedding":
+    def to(self, device: torch.device | str, dtype: torch.dtype) -> RotaryEmbedding:
         self.cos = self.cos.to(device=device, dtype=dtype)
         self.sin = self.sin.to(device=device, dtype=dtype)
         return self
