@@ -1,0 +1,150 @@
+"""Builds, loads and calls the native CPU attention kernel (`csrc/paged_attention_cpu.c`).
+
+The fast CPU path (`kernels/torch_paged.py`) sends decode rows here: one fused pass that reads
+each request's K/V blocks straight from the paged cache, with no gathered copy and no padding.
+The C file is compiled at first use, once per process and per (head_dim, num_kv_heads,
+group_size), with the system C compiler (`$CC`, else `cc`/`gcc`) and OpenMP, then loaded with
+ctypes. Without a working compiler `load_native_kernel` returns None and the caller falls back
+to plain torch ops, so nothing here is required for correctness.
+
+NOTE: the library links `libgomp.so.1`; torch's Linux wheels ship that same soname and load it
+first, so the kernel's OpenMP threads are torch's intra-op threads (no oversubscription).
+"""
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+# Tried in order: vectorized expf from libmvec needs -ffast-math; the last set is the plainest.
+FLAG_SETS = (
+    ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-lmvec", "-lm"),
+    ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-lm"),
+    ("-O3", "-fopenmp", "-lm"),
+)
+
+_c_int64 = ctypes.c_int64
+_c_ptr = ctypes.c_void_p
+
+
+class NativeKernel(NamedTuple):
+    """A compiled kernel for one (head_dim, num_kv_heads, group_size)."""
+
+    function: Callable[..., int]
+    head_dim: int
+    num_kv_heads: int
+    group_size: int
+
+
+def _find_compiler() -> str | None:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+@functools.cache
+def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> NativeKernel | None:
+    """Compiles and loads the kernel for these shapes; None when it cannot be built here."""
+    compiler = _find_compiler()
+    if compiler is None:
+        logger.info("no C compiler found; CPU attention uses torch ops only")
+        return None
+    defines = (f"-DHEAD_DIM={head_dim}", f"-DNUM_KV_HEADS={num_kv_heads}",
+               f"-DGROUP_SIZE={group_size}")
+    with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
+        library = Path(build_dir) / "paged_attention_cpu.so"
+        for flags in FLAG_SETS:
+            command = [compiler, "-shared", "-fPIC", *defines, str(SOURCE), "-o", str(library),
+                       *flags]
+            result = subprocess.run(command, capture_output=True, text=True, check=False)
+            if result.returncode == 0:
+                break
+            logger.debug("compile failed (%s): %s", " ".join(flags), result.stderr[-2000:])
+        else:
+            logger.warning("could not compile %s; CPU attention uses torch ops only", SOURCE)
+            return None
+        # NOTE: dlopen maps the file, so the build directory can be removed right after.
+        function = ctypes.CDLL(str(library)).paged_attention_rows_f32
+    function.restype = ctypes.c_int
+    function.argtypes = [
+        _c_ptr, _c_int64, _c_int64,  # query, query_stride, num_tokens
+        _c_ptr, _c_ptr, _c_int64, _c_int64,  # k_cache, v_cache, num_blocks, block_size
+        _c_ptr, _c_int64, _c_int64, _c_int64,  # block_table, num_reqs, width, stride
+        _c_ptr, _c_ptr, _c_ptr, _c_int64, _c_int64,  # token/req ids, context lens, rows, max
+        ctypes.c_float, _c_ptr, _c_int64, ctypes.c_int,  # scale, out, out_stride, threads
+    ]
+    return NativeKernel(function, head_dim, num_kv_heads, group_size)
+
+
+def paged_attention_rows(
+    kernel: NativeKernel,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_ids: torch.Tensor,
+    req_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_context_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Row r of `out` (token_ids[r]) = attention of that query row over the first
+    context_lens[r] keys of request req_ids[r]. Writes only the listed rows.
+
+    Args:
+        kernel: from `load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)`.
+        query: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous.
+        v_cache: same as k_cache.
+        block_table: [num_reqs, max_num_blocks_per_req] int32, last dim contiguous.
+        token_ids: [num_rows] int64, query/out row of each row.
+        req_ids: [num_rows] int64, request (block_table row) of each row.
+        context_lens: [num_rows] int32, keys each row attends to, 1 <= len <= max_context_len.
+        max_context_len: host int, max of context_lens.
+        scale: softmax scale.
+        out: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    assert (head_dim, k_cache.shape[2]) == (kernel.head_dim, kernel.num_kv_heads)
+    assert num_heads == kernel.num_kv_heads * kernel.group_size
+    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape == v_cache.shape and out.shape == query.shape
+    for rows in (query, out):
+        assert rows.stride(2) == 1 and rows.stride(1) == head_dim, "heads must be contiguous"
+    assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
+    assert token_ids.dtype == req_ids.dtype == torch.int64
+    assert context_lens.dtype == torch.int32
+    assert token_ids.is_contiguous() and req_ids.is_contiguous() and context_lens.is_contiguous()
+    tensors = (query, k_cache, v_cache, block_table, token_ids, req_ids, context_lens, out)
+    assert all(t.device.type == "cpu" for t in tensors)
+    num_rows = token_ids.shape[0]
+    assert req_ids.shape[0] == num_rows and context_lens.shape[0] == num_rows
+    if num_rows == 0:
+        return
+    # NOTE: the C side bounds-checks every index (token, request, block ids, lengths) before
+    # touching memory and returns -2 instead, so a bad call cannot corrupt the process.
+    status = kernel.function(
+        query.data_ptr(), query.stride(0), query.shape[0],
+        k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.shape[1],
+        block_table.data_ptr(), block_table.shape[0], block_table.shape[1], block_table.stride(0),
+        token_ids.data_ptr(), req_ids.data_ptr(), context_lens.data_ptr(), num_rows,
+        max_context_len, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )
+    if status == -2:
+        raise IndexError("paged attention rows index outside query, block_table or the cache")
+    if status != 0:
+        raise MemoryError("native paged attention could not allocate its scores buffer")

@@ -1,0 +1,171 @@
+/*
+ * Paged attention for CPU, fp32, one query row at a time (PagedAttention, Kwon et al. 2023).
+ *
+ * Row r is query row token_ids[r] of request req_ids[r]; it attends to that request's first
+ * context_lens[r] keys, read block by block through block_table (a decode row has
+ * context_len = seq_len; the j-th of q_len chunked-prefill rows has seq_len - q_len + j + 1).
+ *
+ * kernels/cpu_native.py compiles this file at first use with HEAD_DIM, NUM_KV_HEADS and
+ * GROUP_SIZE defined, so every inner loop has a constant trip count and vectorizes fully.
+ * Per row (rows are spread over OpenMP threads):
+ *   1. scores[hq][t] = <scale * q[hq], k[t][hq / GROUP_SIZE]>, every head of a token at once,
+ *      so each token's K row is read from memory once;
+ *   2. exact softmax per head (max subtracted, two passes over the row's scores);
+ *   3. out[hq] = sum_t p[hq][t] * v[t][hq / GROUP_SIZE], one kv head at a time so the group's
+ *      accumulators stay in registers.
+ * The next block of a row is prefetched while the current one is processed.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define NUM_HEADS (NUM_KV_HEADS * GROUP_SIZE)
+#define TOKEN_STRIDE (NUM_KV_HEADS * HEAD_DIM) /* floats per cache row (one token) */
+#define FLOATS_PER_LINE 16
+
+static void prefetch_block(const float* block, int num_tokens) {
+    for (int i = 0; i < num_tokens * TOKEN_STRIDE; i += FLOATS_PER_LINE) {
+        __builtin_prefetch(block + i);
+    }
+}
+
+/* scores[hq * stride + t] for the n tokens of one block starting at t0. */
+static void score_block(const float* restrict k_block, const float* restrict q_scaled,
+                        float* restrict scores, int64_t stride, int t0, int n) {
+    for (int t = 0; t < n; ++t) {
+        const float* restrict k_row = k_block + (int64_t)t * TOKEN_STRIDE;
+        for (int hq = 0; hq < NUM_HEADS; ++hq) {
+            const float* restrict q_head = q_scaled + hq * HEAD_DIM;
+            const float* restrict k_head = k_row + (hq / GROUP_SIZE) * HEAD_DIM;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < HEAD_DIM; ++d) dot += q_head[d] * k_head[d];
+            scores[hq * stride + t0 + t] = dot;
+        }
+    }
+}
+
+/* acc[hq] += sum over the block's n tokens of probs[hq][t0 + t] * v[t][kv head of hq]. */
+static void accumulate_block(const float* restrict v_block, const float* restrict probs,
+                             float* restrict acc, int64_t stride, int t0, int n) {
+    for (int h = 0; h < NUM_KV_HEADS; ++h) {
+        float group_acc[GROUP_SIZE][HEAD_DIM];
+        for (int g = 0; g < GROUP_SIZE; ++g)
+            for (int d = 0; d < HEAD_DIM; ++d) group_acc[g][d] = acc[(h * GROUP_SIZE + g) * HEAD_DIM + d];
+        for (int t = 0; t < n; ++t) {
+            const float* restrict v_head = v_block + (int64_t)t * TOKEN_STRIDE + h * HEAD_DIM;
+            for (int g = 0; g < GROUP_SIZE; ++g) {
+                const float p = probs[(h * GROUP_SIZE + g) * stride + t0 + t];
+#pragma omp simd
+                for (int d = 0; d < HEAD_DIM; ++d) group_acc[g][d] += p * v_head[d];
+            }
+        }
+        for (int g = 0; g < GROUP_SIZE; ++g)
+            for (int d = 0; d < HEAD_DIM; ++d) acc[(h * GROUP_SIZE + g) * HEAD_DIM + d] = group_acc[g][d];
+    }
+}
+
+/* Softmax of each head's first n scores, in place; writes 1 / sum to inv_sum. */
+static void softmax_rows(float* restrict scores, int64_t stride, int n, float* restrict inv_sum) {
+    for (int hq = 0; hq < NUM_HEADS; ++hq) {
+        float* restrict row = scores + hq * stride;
+        float max_score = -FLT_MAX;
+        for (int t = 0; t < n; ++t) max_score = row[t] > max_score ? row[t] : max_score;
+        float sum = 0.0f;
+        for (int t = 0; t < n; ++t) {
+            row[t] = expf(row[t] - max_score);
+            sum += row[t];
+        }
+        inv_sum[hq] = 1.0f / sum;
+    }
+}
+
+static void attend_row(const float* restrict q_row, float scale, const float* restrict k_cache,
+                       const float* restrict v_cache, const int32_t* restrict blocks,
+                       int64_t block_size, int context_len, float* restrict scores,
+                       int64_t stride, float* restrict out_row) {
+    float q_scaled[NUM_HEADS * HEAD_DIM];
+    float acc[NUM_HEADS * HEAD_DIM];
+    float inv_sum[NUM_HEADS];
+    const int64_t block_stride = block_size * TOKEN_STRIDE;
+    const int num_blocks = (int)((context_len + block_size - 1) / block_size);
+    for (int i = 0; i < NUM_HEADS * HEAD_DIM; ++i) q_scaled[i] = q_row[i] * scale;
+    for (int b = 0; b < num_blocks; ++b) {
+        const int t0 = (int)(b * block_size);
+        const int n = context_len - t0 < block_size ? context_len - t0 : (int)block_size;
+        if (b + 1 < num_blocks) prefetch_block(k_cache + blocks[b + 1] * block_stride, (int)block_size);
+        score_block(k_cache + blocks[b] * block_stride, q_scaled, scores, stride, t0, n);
+    }
+    softmax_rows(scores, stride, context_len, inv_sum);
+    for (int i = 0; i < NUM_HEADS * HEAD_DIM; ++i) acc[i] = 0.0f;
+    for (int b = 0; b < num_blocks; ++b) {
+        const int t0 = (int)(b * block_size);
+        const int n = context_len - t0 < block_size ? context_len - t0 : (int)block_size;
+        if (b + 1 < num_blocks) prefetch_block(v_cache + blocks[b + 1] * block_stride, (int)block_size);
+        accumulate_block(v_cache + blocks[b] * block_stride, scores, acc, stride, t0, n);
+    }
+    for (int hq = 0; hq < NUM_HEADS; ++hq)
+        for (int d = 0; d < HEAD_DIM; ++d) out_row[hq * HEAD_DIM + d] = acc[hq * HEAD_DIM + d] * inv_sum[hq];
+}
+
+/* Returns 1 when every index the rows use is in bounds, so the kernel cannot read or write
+ * outside the tensors it was handed (cheap: one pass over the rows' block-table entries). */
+static int rows_are_valid(int64_t num_tokens, int64_t num_blocks, int64_t block_size,
+                          const int32_t* block_table, int64_t num_reqs,
+                          int64_t block_table_width, int64_t block_table_stride,
+                          const int64_t* token_ids, const int64_t* req_ids,
+                          const int32_t* context_lens, int64_t num_rows,
+                          int64_t max_context_len) {
+    for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t context_len = context_lens[r];
+        if (token_ids[r] < 0 || token_ids[r] >= num_tokens) return 0;
+        if (req_ids[r] < 0 || req_ids[r] >= num_reqs) return 0;
+        if (context_len < 1 || context_len > max_context_len) return 0;
+        const int64_t blocks_used = (context_len + block_size - 1) / block_size;
+        if (blocks_used > block_table_width) return 0;
+        const int32_t* blocks = block_table + req_ids[r] * block_table_stride;
+        for (int64_t b = 0; b < blocks_used; ++b)
+            if (blocks[b] < 0 || blocks[b] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
+/*
+ * query, out: [num_tokens, NUM_HEADS, HEAD_DIM], row strides query_stride / out_stride.
+ * k_cache, v_cache: contiguous [num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM].
+ * block_table: [num_reqs, block_table_width] int32, row stride block_table_stride.
+ * token_ids, req_ids: [num_rows] int64; context_lens: [num_rows] int32, 1 <= len <=
+ * max_context_len.
+ * Returns 0; -1 when a thread could not allocate its scores buffer (out is then incomplete);
+ * -2 when an index is out of bounds (nothing is written).
+ */
+int paged_attention_rows_f32(const float* query, int64_t query_stride, int64_t num_tokens,
+                             const float* k_cache, const float* v_cache, int64_t num_blocks,
+                             int64_t block_size, const int32_t* block_table, int64_t num_reqs,
+                             int64_t block_table_width, int64_t block_table_stride,
+                             const int64_t* token_ids, const int64_t* req_ids,
+                             const int32_t* context_lens, int64_t num_rows,
+                             int64_t max_context_len, float scale, float* out,
+                             int64_t out_stride, int num_threads) {
+    if (!rows_are_valid(num_tokens, num_blocks, block_size, block_table, num_reqs,
+                        block_table_width, block_table_stride, token_ids, req_ids,
+                        context_lens, num_rows, max_context_len))
+        return -2;
+    int status = 0;
+    const int64_t stride = (max_context_len + FLOATS_PER_LINE - 1) / FLOATS_PER_LINE * FLOATS_PER_LINE;
+#pragma omp parallel num_threads(num_threads) reduction(min : status)
+    {
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(stride * NUM_HEADS));
+        if (scores == NULL) status = -1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < num_rows; ++r) {
+            if (scores == NULL) continue;
+            attend_row(query + token_ids[r] * query_stride, scale, k_cache, v_cache,
+                       block_table + req_ids[r] * block_table_stride, block_size, context_lens[r],
+                       scores, stride, out + token_ids[r] * out_stride);
+        }
+        free(scores);
+    }
+    return status;
+}

@@ -1,0 +1,287 @@
+"""Fast CPU paged attention: decodes batched, per-step metadata built once for all layers.
+
+How a mixed batch runs (PagedAttention, Kwon et al. 2023, for the cache layout):
+
+- Decode rows (q_len == 1) are all handled by one call, never a per-request loop. With the
+  native kernel (`kernels/cpu_native.py`: C + OpenMP, compiled at first use; fp32) each row
+  reads its blocks straight from the cache: no gathered copy, no padding, ~1 read of the
+  K/V. Without it (no C compiler, or another dtype) rows are sorted by length and bucketed;
+  each bucket gathers K/V rows through the block table
+  into a padded [n * num_kv_heads, padded_len, head_dim] tensor, and runs one
+  `baddbmm` (scores plus the additive length mask) -> softmax -> `bmm`, with each request's
+  query heads grouped by kv head ([n * num_kv_heads, group_size, head_dim]), so GQA needs no
+  repeated K/V.
+- Chunked prefills (q_len > 1, few per step) loop per request: gather the request's K/V,
+  then `scaled_dot_product_attention` (FlashAttention-style CPU kernel in torch) with a
+  bottom-right causal mask, since the chunk's queries are the request's last q_len positions.
+
+`prepare_torch_metadata` does all host-side index work (the `.tolist()` calls, the sort, the
+gather indices and masks) once per step; pass its result to every layer's `paged_attention`:
+
+    metadata = prepare_torch_metadata(block_table, seq_lens, query_start_loc,
+                                      block_size, num_kv_heads)        # once per step
+    out = paged_attention(..., metadata=metadata)                      # in each layer
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_native import load_native_kernel, paged_attention_rows
+
+DECODE_BUCKET_SIZE = 16
+"""Decode rows per gathered bucket in the torch-ops fallback (padding vs per-bucket cost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeBucket:
+    """Decode rows of similar length, gathered together (torch-ops fallback only)."""
+
+    token_ids: torch.Tensor
+    """[n] int64, query/out row of each decode."""
+    cache_rows: torch.Tensor
+    """[n * num_kv_heads * padded_len] int64, rows of `cache.view(-1, head_dim)` to gather."""
+    mask: torch.Tensor
+    """[n * num_kv_heads, 1, padded_len] float32, 0 for real keys and -inf for padding."""
+    padded_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSlice:
+    """One request with q_len > 1: its query rows and the cache slots of all its keys."""
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    """[seq_len] int64, cache slot of each key position."""
+    mask: torch.Tensor | None
+    """[q_len, seq_len] bool (True = attend), or None when q_len == seq_len (plain causal)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TorchAttentionMetadata:
+    """Per-step indices for the CPU path, shared by every layer of the step."""
+
+    num_scheduled_tokens: int
+    """query_start_loc[-1]; query rows past it are padding (their output is zero)."""
+    block_size: int
+    num_kv_heads: int
+    decode_token_ids: torch.Tensor
+    """[num_decodes] int64, query row of each decode, longest context first."""
+    decode_req_ids: torch.Tensor
+    """[num_decodes] int64, request (block_table row) of each decode."""
+    decode_context_lens: torch.Tensor
+    """[num_decodes] int32, seq_len of each decode."""
+    max_decode_context_len: int
+    decode_buckets: tuple[DecodeBucket, ...]
+    prefills: tuple[PrefillSlice, ...]
+
+
+def prepare_torch_metadata(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+    bucket_size: int = DECODE_BUCKET_SIZE,
+) -> TorchAttentionMetadata:
+    """Builds the step's indices once (all host work), for every layer's `paged_attention`.
+
+    Args:
+        block_table: [num_reqs, max_num_blocks_per_req] int32, 0-padded.
+        seq_lens: [num_reqs] int32, KV length after this step.
+        query_start_loc: [num_reqs + 1] int32.
+        block_size: tokens per cache block.
+        num_kv_heads: kv heads of the cache.
+        bucket_size: decode rows per bucket in the torch-ops fallback.
+    """
+    seq_lens_list = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    block_table = block_table.long()
+    decode_reqs: list[int] = []
+    prefills: list[PrefillSlice] = []
+    for req_idx, seq_len in enumerate(seq_lens_list):
+        start, end = starts[req_idx], starts[req_idx + 1]
+        if end - start == 1:
+            decode_reqs.append(req_idx)
+        elif end - start > 1:
+            slots = _cache_slots(block_table[req_idx : req_idx + 1], seq_len, block_size)[0]
+            prefills.append(PrefillSlice(start, end, slots, _prefill_mask(end - start, seq_len)))
+    # NOTE: longest first balances the native kernel's dynamic schedule across threads, and
+    # puts rows of similar length next to each other for the fallback's buckets.
+    decode_reqs.sort(key=lambda req_idx: -seq_lens_list[req_idx])
+    req_ids = torch.tensor(decode_reqs, dtype=torch.int64)
+    context_lens = torch.tensor([seq_lens_list[i] for i in decode_reqs], dtype=torch.int32)
+    token_ids = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64)
+    buckets = tuple(
+        _decode_bucket(block_table, token_ids[i : i + bucket_size], req_ids[i : i + bucket_size],
+                       context_lens[i : i + bucket_size], block_size, num_kv_heads)
+        for i in range(0, len(decode_reqs), bucket_size)
+    )
+    return TorchAttentionMetadata(
+        num_scheduled_tokens=starts[-1],
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        decode_token_ids=token_ids,
+        decode_req_ids=req_ids,
+        decode_context_lens=context_lens,
+        max_decode_context_len=max((seq_lens_list[i] for i in decode_reqs), default=0),
+        decode_buckets=buckets,
+        prefills=tuple(prefills),
+    )
+
+
+def _cache_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[n, length] int64 slots of positions 0..length-1 of each row's block table."""
+    positions = torch.arange(length)
+    return block_table[:, positions // block_size] * block_size + positions % block_size
+
+
+def _prefill_mask(q_len: int, seq_len: int) -> torch.Tensor | None:
+    if q_len == seq_len:
+        return None
+    query_pos = torch.arange(seq_len - q_len, seq_len)
+    return torch.arange(seq_len)[None, :] <= query_pos[:, None]
+
+
+def _decode_bucket(
+    block_table: torch.Tensor,
+    token_ids: torch.Tensor,
+    req_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    num_kv_heads: int,
+) -> DecodeBucket:
+    max_len = int(context_lens.max())
+    padded_len = -(-max_len // block_size) * block_size
+    slots = _cache_slots(block_table[req_ids], padded_len, block_size)  # [n, padded_len]
+    is_pad = torch.arange(padded_len)[None, :] >= context_lens[:, None].long()
+    # NOTE: padding re-reads the row's position 0, never the slots past seq_len: those (and the
+    # null block) may hold NaN from an uninitialized cache, and a masked NaN still poisons
+    # the softmax and the 0 * v products.
+    slots = torch.where(is_pad, slots[:, :1], slots)
+    heads = torch.arange(num_kv_heads)
+    cache_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [n, kvh, padded_len]
+    mask = torch.zeros(is_pad.shape).masked_fill_(is_pad, float("-inf"))
+    mask = mask.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
+    return DecodeBucket(token_ids, cache_rows.reshape(-1), mask, padded_len)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the caches
+    [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] int64
+    (-1 = skip). In place."""
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    block_size = k_cache.shape[1]
+    block_ids, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[block_ids, offsets] = key.to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    metadata: TorchAttentionMetadata | None = None,
+    use_native: bool = True,
+) -> torch.Tensor:
+    """Same contract as `kernels.reference.paged_attention`; fast on CPU.
+
+    Args:
+        query: [num_tokens, num_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        block_table: [num_reqs, max_num_blocks_per_req] int32.
+        seq_lens: [num_reqs] int32. query_start_loc: [num_reqs + 1] int32.
+        scale: softmax scale. max_query_len, max_seq_len: unused on this path.
+        metadata: from `prepare_torch_metadata` for this step; built here when None (costs
+            host time on every layer, so the model runner should build it once per step).
+        use_native: use the compiled C kernel for decodes when it is available (fp32).
+
+    Returns:
+        [num_tokens, num_heads, head_dim], query's dtype.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
+    if metadata is None:
+        metadata = prepare_torch_metadata(
+            block_table, seq_lens, query_start_loc, block_size, num_kv_heads)
+    assert (metadata.block_size, metadata.num_kv_heads) == (block_size, num_kv_heads)
+    padded = metadata.num_scheduled_tokens < query.shape[0]
+    out = torch.zeros_like(query) if padded else torch.empty_like(query)
+    if metadata.decode_token_ids.numel() > 0:
+        native = None
+        if use_native and query.dtype == k_cache.dtype == torch.float32:
+            native = load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)
+        if native is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
+            if query.stride(2) != 1 or query.stride(1) != head_dim:
+                query = query.contiguous()
+            paged_attention_rows(
+                native, query, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
+                metadata.decode_token_ids, metadata.decode_req_ids,
+                metadata.decode_context_lens, metadata.max_decode_context_len, scale, out)
+        else:
+            _decode_torch(query, k_cache, v_cache, metadata, scale, out)
+    for prefill in metadata.prefills:
+        _prefill_torch(query, k_cache, v_cache, prefill, scale, out)
+    return out
+
+
+def _decode_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: TorchAttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = metadata.num_kv_heads
+    group_size = num_heads // num_kv_heads
+    k_rows = k_cache.reshape(-1, head_dim)  # a view for the (usual) contiguous cache
+    v_rows = v_cache.reshape(-1, head_dim)
+    for bucket in metadata.decode_buckets:
+        n = bucket.token_ids.shape[0]
+        batch_shape = (n * num_kv_heads, bucket.padded_len, head_dim)
+        k = k_rows.index_select(0, bucket.cache_rows).view(batch_shape)
+        v = v_rows.index_select(0, bucket.cache_rows).view(batch_shape)
+        # [n, num_heads, head_dim] -> [n * num_kv_heads, group_size, head_dim]
+        q = query.index_select(0, bucket.token_ids).view(n * num_kv_heads, group_size, head_dim)
+        mask = bucket.mask.to(q.dtype)
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        out.index_copy_(0, bucket.token_ids, torch.bmm(probs, v).view(n, num_heads, head_dim))
+
+
+def _prefill_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefill: PrefillSlice,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    k = k_cache.flatten(0, 1).index_select(0, prefill.slots)  # [seq_len, num_kv_heads, head_dim]
+    v = v_cache.flatten(0, 1).index_select(0, prefill.slots)
+    q = query[prefill.start : prefill.end]  # [q_len, num_heads, head_dim]
+    # NOTE: 4-D inputs ([1, heads, len, head_dim]) take torch's fused CPU kernel (flash
+    # attention); 3-D ones fall back to the ~4x slower math path.
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scale, enable_gqa=True)
+    out[prefill.start : prefill.end] = attn[0].transpose(0, 1)

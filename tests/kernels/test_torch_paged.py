@@ -1,0 +1,187 @@
+"""The fast CPU path (`kernels/torch_paged.py`, native kernel and torch-ops fallback) against
+the reference, on ragged mixed batches with shuffled block tables."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference, torch_paged
+from kernels.cpu_native import load_native_kernel, paged_attention_rows
+from tests.kernels.batch_utils import PagedBatch, make_paged_batch, random_mixed_lens
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def attention_args(batch: PagedBatch, scale: float) -> tuple:
+    return (batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
+            batch.query_start_loc, scale, batch.max_query_len, batch.max_seq_len)
+
+
+def assert_matches_reference(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert not out.isnan().any()
+    relative_error = float((out - expected).norm() / expected.norm())
+    assert relative_error < 2e-6, relative_error
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def native_available(head_dim: int, num_kv_heads: int, group_size: int) -> bool:
+    return load_native_kernel(head_dim, num_kv_heads, group_size) is not None
+
+
+CONFIGS = [  # num_heads, num_kv_heads, head_dim, block_size
+    (9, 3, 64, 16),  # SmolLM2-135M
+    (4, 2, 16, 8),
+    (8, 1, 32, 32),  # one kv head (MQA)
+    (4, 4, 16, 16),  # no GQA
+]
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), CONFIGS)
+@pytest.mark.parametrize("use_native", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_batch_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, use_native: bool,
+    seed: int,
+) -> None:
+    seq_lens, query_lens = random_mixed_lens(
+        24, 4, max_seq_len=200, max_query_len=40, seed=seed)
+    batch = make_paged_batch(
+        seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=block_size, num_pad_tokens=2, seed=seed)
+    args = attention_args(batch, head_dim**-0.5)
+    out = torch_paged.paged_attention(*args, use_native=use_native)
+    assert_matches_reference(out, reference.paged_attention(*args))
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_metadata_is_reused_across_layers(use_native: bool) -> None:
+    seq_lens, query_lens = random_mixed_lens(16, 3, max_seq_len=120, max_query_len=30, seed=5)
+    layers = [make_paged_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=32,
+                               seed=5, data_seed=data_seed) for data_seed in (5, 6, 7)]
+    for layer in layers[1:]:  # one block table, different caches and queries per layer
+        assert torch.equal(layer.block_table, layers[0].block_table)
+        assert not torch.equal(layer.query, layers[0].query)
+    first = layers[0]
+    metadata = kernels.prepare_torch_metadata(
+        first.block_table, first.seq_lens, first.query_start_loc, block_size=16, num_kv_heads=2)
+    for layer in layers:
+        args = attention_args(layer, 0.2)
+        out = torch_paged.paged_attention(*args, metadata=metadata, use_native=use_native)
+        assert_matches_reference(out, reference.paged_attention(*args))
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_decode_only_batch_and_strided_query(use_native: bool) -> None:
+    """Decodes of length 1 and exactly one block, and a query that is a view into a fused
+    qkv projection (non-contiguous rows), as the model produces it."""
+    seq_lens = [1, 16, 17, 33, 250, 5, 64]
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), num_heads=9, num_kv_heads=3,
+                             head_dim=64)
+    qkv = torch.randn(len(seq_lens), (9 + 2 * 3) * 64)
+    qkv[:, : 9 * 64] = batch.query.reshape(len(seq_lens), -1)
+    query = qkv[:, : 9 * 64].view(len(seq_lens), 9, 64)
+    args = attention_args(batch._replace(query=query), 0.125)
+    out = torch_paged.paged_attention(*args, use_native=use_native)
+    assert_matches_reference(out, reference.paged_attention(*args))
+
+
+def test_prefill_only_batch_through_the_package() -> None:
+    seq_lens, query_lens = [40, 70, 33], [40, 20, 7]  # fresh prefill and two chunked ones
+    batch = make_paged_batch(seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=16)
+    args = attention_args(batch, 0.25)
+    out = kernels.paged_attention(*args, backend="torch")
+    assert_matches_reference(out, kernels.paged_attention(*args, backend="reference"))
+
+
+def test_native_kernel_rows_cover_chunked_prefill() -> None:
+    """The C kernel's per-row context lengths also express chunked prefill rows."""
+    if not native_available(32, 2, 3):
+        pytest.skip("no C compiler with OpenMP here")
+    seq_lens, query_lens = random_mixed_lens(8, 4, max_seq_len=100, max_query_len=30, seed=3)
+    batch = make_paged_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=32)
+    token_ids, req_ids, context_lens = [], [], []
+    starts = batch.query_start_loc.tolist()
+    for req_idx, seq_len in enumerate(seq_lens):
+        q_len = starts[req_idx + 1] - starts[req_idx]
+        for row in range(q_len):
+            token_ids.append(starts[req_idx] + row)
+            req_ids.append(req_idx)
+            context_lens.append(seq_len - q_len + row + 1)
+    out = torch.zeros_like(batch.query)
+    kernel = load_native_kernel(32, 2, 3)
+    assert kernel is not None
+    paged_attention_rows(
+        kernel, batch.query, batch.k_cache, batch.v_cache, batch.block_table,
+        torch.tensor(token_ids), torch.tensor(req_ids),
+        torch.tensor(context_lens, dtype=torch.int32), max(context_lens), 0.3, out)
+    assert_matches_reference(out, reference.paged_attention(*attention_args(batch, 0.3)))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_store_kv_cache_skips_padding(backend: kernels.Backend) -> None:
+    seq_lens, query_lens = random_mixed_lens(5, 2, max_seq_len=50, max_query_len=12, seed=9)
+    batch = make_paged_batch(seq_lens, query_lens, num_kv_heads=2, head_dim=16,
+                             num_pad_tokens=3)
+    num_tokens = batch.slot_mapping.shape[0]
+    key = torch.randn(num_tokens, 2, 16)
+    value = torch.randn(num_tokens, 2, 16)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    kernels.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend=backend)
+    expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
+    for token_idx, slot in enumerate(batch.slot_mapping.tolist()):
+        if slot >= 0:
+            expected_k[slot // 16, slot % 16] = key[token_idx]
+            expected_v[slot // 16, slot % 16] = value[token_idx]
+    torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_import_is_ours_and_needs_no_triton() -> None:
+    code = ("import sys, kernels; print(kernels.__file__); "
+            "print('triton' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, check=True)
+    package_file, triton_loaded = result.stdout.split()
+    assert Path(package_file).resolve().is_relative_to(REPO_ROOT)
+    assert triton_loaded == "False"
+
+
+def test_native_kernel_rejects_out_of_bounds_indices() -> None:
+    if not native_available(16, 2, 2):
+        pytest.skip("no C compiler with OpenMP here")
+    kernel = load_native_kernel(16, 2, 2)
+    assert kernel is not None
+    batch = make_paged_batch([20, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16)
+    out = torch.zeros_like(batch.query)
+    token_ids, req_ids = torch.tensor([0, 1]), torch.tensor([0, 1])
+    bad_table = batch.block_table.clone()
+    bad_table[0, 1] = batch.k_cache.shape[0]  # one past the last block
+    cases = [  # (block_table, context_lens, max_context_len)
+        (bad_table, [20, 9], 20),
+        (batch.block_table, [20, 9], 19),  # a length over the declared max
+        (batch.block_table, [20, 0], 20),  # an empty row
+        (batch.block_table, [40, 9], 40),  # more blocks than the table row holds
+    ]
+    for block_table, context_lens, max_context_len in cases:
+        with pytest.raises(IndexError):
+            paged_attention_rows(
+                kernel, batch.query, batch.k_cache, batch.v_cache, block_table, token_ids,
+                req_ids, torch.tensor(context_lens, dtype=torch.int32), max_context_len, 0.25,
+                out)
+    assert torch.all(out == 0), "a rejected call writes nothing"
+
+
+def test_without_a_compiler_the_torch_ops_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import cpu_native
+
+    monkeypatch.setattr(cpu_native, "_find_compiler", lambda: None)
+    assert cpu_native.load_native_kernel.__wrapped__(64, 3, 3) is None
+    monkeypatch.setattr(torch_paged, "load_native_kernel", lambda *shape: None)
+    seq_lens, query_lens = random_mixed_lens(10, 2, max_seq_len=100, max_query_len=20, seed=8)
+    batch = make_paged_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64)
+    args = attention_args(batch, 0.125)
+    assert_matches_reference(torch_paged.paged_attention(*args), reference.paged_attention(*args))
