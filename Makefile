@@ -4,7 +4,7 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 
-.PHONY: install test lint convert up bench-engine proto clean
+.PHONY: install test lint convert up compose-smoke bench-engine proto clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -27,8 +27,18 @@ lint:
 convert:
 	$(VPY) -m shared.cli convert
 
-up:
-	$(VPY) -m shared.cli up
+# `make up`: install once (again only when pyproject.toml changes), then run Redis, prefill,
+# decode and the gateway locally until Ctrl-C. Flags pass through: make up ARGS="--port 9000".
+$(VENV)/.installed: pyproject.toml
+	$(MAKE) install
+	@touch $@
+
+up: $(VENV)/.installed
+	$(VPY) -m shared.cli up $(ARGS)
+
+# Builds a local base image, the compose stack, one chat completion, then tears it all down.
+compose-smoke:
+	scripts/compose_smoke.sh
 
 bench-engine:
 	$(VPY) benchmarks/engine_throughput.py

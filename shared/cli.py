@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_cmd_generate)
     _add_service_commands(sub)
+    _add_up_command(sub)
     return parser
 
 
@@ -81,6 +82,15 @@ def _add_service_commands(sub) -> None:
     except ImportError:
         return
     add_service_commands(sub)
+
+
+def _add_up_command(sub) -> None:
+    """`pdserve up`: the local launcher (services/launcher/)."""
+    try:
+        from services.launcher.cli import add_up_command
+    except ImportError:
+        return
+    add_up_command(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

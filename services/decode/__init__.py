@@ -1,0 +1,1 @@
+"""The decode service: KV admission and transfer, continuous-batch decoding."""

@@ -1,0 +1,1 @@
+"""The prefill service: prefill, first token, pinned KV served to decode instances."""

@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -48,7 +46,7 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., min_p: float | None = ..., seed: int | None = ..., presence_penalty: float | None = ..., frequency_penalty: float | None = ..., repetition_penalty: float | None = ..., max_tokens: int | None = ..., min_tokens: int | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., logprobs: int | None = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -60,7 +58,7 @@ class TokenLogprobs(_message.Message):
     logprob: float
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top_token_ids: _Iterable[int] | None = ..., top_logprobs: _Iterable[float] | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
     __slots__ = ("prefill_instance_id", "prefill_address", "block_ids", "block_hashes", "num_tokens", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "model")
@@ -86,7 +84,7 @@ class KVTransferParams(_message.Message):
     num_kv_heads: int
     head_dim: int
     model: str
-    def __init__(self, prefill_instance_id: str | None = ..., prefill_address: str | None = ..., block_ids: _Iterable[int] | None = ..., block_hashes: _Iterable[bytes] | None = ..., num_tokens: int | None = ..., dtype: str | None = ..., num_layers: int | None = ..., block_size: int | None = ..., num_kv_heads: int | None = ..., head_dim: int | None = ..., model: str | None = ...) -> None: ...
+    def __init__(self, prefill_instance_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt")
@@ -98,7 +96,7 @@ class PrefillRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., sampling_params: SamplingParams | _Mapping | None = ..., cache_salt: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "kv_transfer_params", "num_cached_tokens", "finish_reason")
@@ -114,7 +112,7 @@ class PrefillResponse(_message.Message):
     kv_transfer_params: KVTransferParams
     num_cached_tokens: int
     finish_reason: FinishReason
-    def __init__(self, request_id: str | None = ..., first_token_id: int | None = ..., first_logprobs: TokenLogprobs | _Mapping | None = ..., kv_transfer_params: KVTransferParams | _Mapping | None = ..., num_cached_tokens: int | None = ..., finish_reason: FinishReason | str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
 
 class FetchKVRequest(_message.Message):
     __slots__ = ("request_id", "block_indices")
@@ -122,7 +120,7 @@ class FetchKVRequest(_message.Message):
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_indices: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: str | None = ..., block_indices: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("request_id", "block_indices", "dtype", "shape", "data", "layer_start")
@@ -138,19 +136,19 @@ class KVChunk(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
     layer_start: int
-    def __init__(self, request_id: str | None = ..., block_indices: _Iterable[int] | None = ..., dtype: str | None = ..., shape: _Iterable[int] | None = ..., data: bytes | None = ..., layer_start: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., layer_start: _Optional[int] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: str | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
-    def __init__(self, released: bool | None = ...) -> None: ...
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "kv_transfer_params", "cache_salt", "first_logprobs")
@@ -168,7 +166,7 @@ class DecodeRequest(_message.Message):
     kv_transfer_params: KVTransferParams
     cache_salt: str
     first_logprobs: TokenLogprobs
-    def __init__(self, request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., output_token_ids: _Iterable[int] | None = ..., sampling_params: SamplingParams | _Mapping | None = ..., kv_transfer_params: KVTransferParams | _Mapping | None = ..., cache_salt: str | None = ..., first_logprobs: TokenLogprobs | _Mapping | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "num_cached_tokens")
@@ -182,25 +180,25 @@ class TokenChunk(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     finish_reason: FinishReason
     num_cached_tokens: int
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., logprobs: _Iterable[TokenLogprobs | _Mapping] | None = ..., finish_reason: FinishReason | str | None = ..., num_cached_tokens: int | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("aborted_request_ids",)
     ABORTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     aborted_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, aborted_request_ids: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, aborted_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ("check_invariants",)
     CHECK_INVARIANTS_FIELD_NUMBER: _ClassVar[int]
     check_invariants: bool
-    def __init__(self, check_invariants: bool | None = ...) -> None: ...
+    def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
 
 class EngineState(_message.Message):
     __slots__ = ("instance_id", "role", "model", "num_gpu_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks", "num_pinned_blocks", "num_running", "num_waiting", "invariants_ok", "invariants_error", "max_model_len", "block_size")
@@ -232,4 +230,4 @@ class EngineState(_message.Message):
     invariants_error: str
     max_model_len: int
     block_size: int
-    def __init__(self, instance_id: str | None = ..., role: str | None = ..., model: str | None = ..., num_gpu_blocks: int | None = ..., num_free_blocks: int | None = ..., num_cached_blocks: int | None = ..., num_used_blocks: int | None = ..., num_pinned_blocks: int | None = ..., num_running: int | None = ..., num_waiting: int | None = ..., invariants_ok: bool | None = ..., invariants_error: str | None = ..., max_model_len: int | None = ..., block_size: int | None = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., invariants_ok: _Optional[bool] = ..., invariants_error: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...

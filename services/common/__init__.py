@@ -1,0 +1,1 @@
+"""Plumbing shared by the prefill and decode services: config, lifecycle, metrics, registry."""

@@ -1,0 +1,129 @@
+"""ServiceConfig: the prefill and decode services' own flags (beside EngineArgs), frozen once.
+
+Precedence: command-line flag > PDSERVE_<FLAG> environment variable > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.kv_transfer.codec import DEFAULT_MAX_CHUNK_BYTES
+
+Role = Literal["prefill", "decode"]
+DEFAULT_PORTS = {"prefill": (50051, 9051), "decode": (50052, 9052)}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    role: Role
+    host: str = "0.0.0.0"
+    port: int = 0
+    """gRPC port; 0 picks a free one (tests)."""
+    advertise_address: str = ""
+    """host:port others reach this instance at (KV handles, the registry); "" derives it."""
+    instance_id: str = ""
+    """Unique name in the registry; "" derives `{role}-{hostname}-{port}`."""
+    metrics_port: int | None = None
+    """Prometheus endpoint port; None disables it, 0 picks a free one."""
+    redis_url: str | None = None
+    """The prefix index; None runs without it (no registration, no affinity)."""
+    heartbeat_interval: float = 3.0
+    """Seconds between registrations (load figures, republish after a Redis restart)."""
+    registration_ttl: float = 10.0
+    """Seconds a registration outlives the last heartbeat."""
+    publish_interval: float = 0.25
+    """Seconds between drains of the cache events (published to Redis) and metric polls."""
+    redis_max_backoff: float = 5.0
+    """Longest wait between attempts to reach an unreachable Redis, seconds."""
+    grace_period: float = 10.0
+    """SIGTERM: seconds in-flight requests get to finish (health NOT_SERVING meanwhile)."""
+    max_message_bytes: int = 64 << 20
+    """gRPC max send/receive message size, both ends."""
+    rpc_timeout: float = 5.0
+    """Deadline of small calls to other instances (ReleaseKV), seconds."""
+    kv_pin_ttl: float = 30.0
+    """Prefill: seconds a KV handle stays pinned when nobody fetches or releases it."""
+    kv_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
+    """Prefill: most KV payload bytes per streamed KVChunk."""
+    max_waiting_requests: int = 256
+    """Decode: requests queued for KV blocks or in the engine's waiting queue before
+    Generate answers RESOURCE_EXHAUSTED."""
+    kv_transfer_timeout: float = 60.0
+    """Decode: deadline of one FetchKV stream, seconds."""
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Explicit message limits, the same on servers and channels."""
+        return [("grpc.max_send_message_length", self.max_message_bytes),
+                ("grpc.max_receive_message_length", self.max_message_bytes)]
+
+    def resolve_address(self, bound_port: int) -> str:
+        if self.advertise_address:
+            return self.advertise_address
+        host = self.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        return f"{host}:{bound_port}"
+
+    def resolve_instance_id(self, bound_port: int) -> str:
+        return self.instance_id or f"{self.role}-{socket.gethostname()}-{bound_port}"
+
+
+def _env(name: str, default):
+    return os.environ.get("PDSERVE_" + name.upper(), default)
+
+
+def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.ArgumentParser:
+    port, metrics_port = DEFAULT_PORTS[role]
+    d = ServiceConfig(role)
+    g = parser.add_argument_group(f"{role} service")
+    g.add_argument("--host", default=_env("host", d.host))
+    g.add_argument("--port", type=int, default=int(_env("port", port)))
+    g.add_argument("--advertise-address", default=_env("advertise_address", ""),
+                   help="host:port other instances use to reach this one")
+    g.add_argument("--instance-id", default=_env("instance_id", ""))
+    g.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", metrics_port)),
+                   help="Prometheus endpoint port (-1 disables it)")
+    g.add_argument("--redis-url", default=_env("redis_url", None),
+                   help="the prefix index, e.g. redis://localhost:6379/0 (optional)")
+    g.add_argument("--heartbeat-interval", type=float,
+                   default=float(_env("heartbeat_interval", d.heartbeat_interval)))
+    g.add_argument("--registration-ttl", type=float,
+                   default=float(_env("registration_ttl", d.registration_ttl)))
+    g.add_argument("--grace-period", type=float,
+                   default=float(_env("grace_period", d.grace_period)))
+    g.add_argument("--max-message-bytes", type=int,
+                   default=int(_env("max_message_bytes", d.max_message_bytes)))
+    if role == "prefill":
+        g.add_argument("--kv-pin-ttl", type=float, default=float(_env("kv_pin_ttl", d.kv_pin_ttl)),
+                       help="seconds an unfetched KV handle stays pinned")
+        g.add_argument("--kv-chunk-bytes", type=int,
+                       default=int(_env("kv_chunk_bytes", d.kv_chunk_bytes)))
+    else:
+        g.add_argument("--max-waiting-requests", type=int,
+                       default=int(_env("max_waiting_requests", d.max_waiting_requests)))
+        g.add_argument("--kv-transfer-timeout", type=float,
+                       default=float(_env("kv_transfer_timeout", d.kv_transfer_timeout)))
+    return parser
+
+
+def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
+    """Validate and freeze. Raises ValueError naming the flag."""
+    fields = {name: getattr(ns, name) for name in ServiceConfig.__dataclass_fields__
+              if name != "role" and hasattr(ns, name)}
+    if fields.get("metrics_port") is not None and fields["metrics_port"] < 0:
+        fields["metrics_port"] = None
+    config = ServiceConfig(role=role, **fields)
+    for name in ("heartbeat_interval", "registration_ttl", "kv_pin_ttl", "kv_transfer_timeout"):
+        if getattr(config, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    if config.registration_ttl <= config.heartbeat_interval:
+        raise ValueError("--registration-ttl must exceed --heartbeat-interval")
+    if config.max_waiting_requests < 0:
+        raise ValueError("--max-waiting-requests must be >= 0")
+    if not 1 << 16 <= config.kv_chunk_bytes <= config.max_message_bytes - (64 << 10):
+        raise ValueError("--kv-chunk-bytes must be in [64KiB, --max-message-bytes - 64KiB]")
+    return config

@@ -1,0 +1,55 @@
+"""Proto <-> domain conversions shared by the prefill and decode servicers."""
+
+from __future__ import annotations
+
+from shared.kv_transfer.codec import KVLayout
+from shared.kv_transfer.handle import KVHandle
+from shared.proto import engine_pb2 as pb
+from shared.request import FinishReason, TokenLogprobs
+from shared.sampling_params import SamplingParams
+
+FINISH_REASONS = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Validated SamplingParams. Raises ValueError naming the field.
+
+    NOTE: proto3 cannot tell an unset float from 0, so top_p = 0 and repetition_penalty = 0
+    (both invalid values) mean "unset" (1.0), and max_tokens = 0 means "up to max_model_len".
+    """
+    return SamplingParams(
+        temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k, min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        max_tokens=p.max_tokens if p.max_tokens != 0 else None,
+        min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None)
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                            top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+
+
+def logprobs_from_proto(p: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(p.token_id, p.logprob, list(p.top_token_ids), list(p.top_logprobs))
+
+
+def handle_to_proto(h: KVHandle) -> pb.KVTransferParams:
+    return pb.KVTransferParams(
+        prefill_instance_id=h.prefill_instance_id, prefill_address=h.prefill_address,
+        block_ids=h.block_ids, block_hashes=h.block_hashes, num_tokens=h.num_tokens,
+        dtype=h.layout.dtype, num_layers=h.layout.num_layers, block_size=h.layout.block_size,
+        num_kv_heads=h.layout.num_kv_heads, head_dim=h.layout.head_dim, model=h.model)
+
+
+def handle_from_proto(p: pb.KVTransferParams) -> KVHandle:
+    layout = KVLayout(p.num_layers, p.block_size, p.num_kv_heads, p.head_dim, p.dtype)
+    return KVHandle(p.prefill_instance_id, p.prefill_address, list(p.block_ids),
+                    list(p.block_hashes), p.num_tokens, layout, p.model)

@@ -1,0 +1,47 @@
+"""Build a prefill or decode ServiceRuntime from its flags (the `serve` commands, tests)."""
+
+from __future__ import annotations
+
+import threading
+
+from services.common.config import Role, ServiceConfig
+from services.common.server import LoadEngine, ServiceRuntime
+from shared.engine.engine_core import EngineCore
+from shared.engine_args import EngineArgs
+
+SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillService", "decode": "pdserve.v1.DecodeService"}
+_LOAD_LOCK = threading.Lock()
+"""NOTE: transformers' lazy imports are not thread-safe: two engines loading at once in one
+process (tests) must take turns."""
+
+
+def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
+    """Resolve the configs, build the EngineCore (prefill: hold_finished_blocks) and read the
+    tokenizer's EOS id. Runs in a thread while the server already answers health checks."""
+    def load() -> tuple[EngineCore, int | None]:
+        from shared.tokenizer import get_tokenizer
+
+        with _LOAD_LOCK:
+            configs = engine_args.create_engine_configs()
+            core = EngineCore(*configs, hold_finished_blocks=role == "prefill")
+            return core, get_tokenizer(configs[0].model_path).eos_token_id
+    return load
+
+
+def build_runtime(config: ServiceConfig, engine_args: EngineArgs | None = None,
+                  load_engine: LoadEngine | None = None) -> ServiceRuntime:
+    """A runtime for `config.role`; pass `load_engine` to replace the default loader."""
+    if load_engine is None:
+        assert engine_args is not None, "engine_args or load_engine"
+        load_engine = engine_loader(engine_args, config.role)
+    if config.role == "prefill":
+        from services.prefill.servicer import add_prefill_servicer
+        from services.prefill.worker import PrefillWorker
+
+        return ServiceRuntime(config, load_engine, PrefillWorker, add_prefill_servicer,
+                              SERVICE_NAMES["prefill"])
+    from services.decode.servicer import add_decode_servicer
+    from services.decode.worker import DecodeWorker
+
+    return ServiceRuntime(config, load_engine, DecodeWorker, add_decode_servicer,
+                          SERVICE_NAMES["decode"])

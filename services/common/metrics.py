@@ -1,0 +1,142 @@
+"""ServiceMetrics: one prefill or decode instance's Prometheus metrics, vLLM's meanings.
+
+Engine-side figures (running, waiting, KV usage, prefix cache, preemptions, block counts)
+are polled from the engine thread every `publish_interval` by the InstanceMonitor; request
+latencies and KV transfer counters are recorded where they happen. One registry per
+instance, so several instances can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM's bucket edges (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0)
+
+
+class EngineStats(NamedTuple):
+    """A snapshot taken on the engine thread (counters cumulative since start-up)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_gpu_blocks: int
+    num_free_blocks: int
+    """In the free queue, cached or not."""
+    num_cached_blocks: int
+    """Holding a block hash (free or in use)."""
+    num_used_blocks: int
+    """ref_cnt > 0, null block excluded."""
+
+
+class ServiceMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(f"pdserve_{name}", doc, labels + list(extra), registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pdserve_{name}", doc, labels + list(extra), registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pdserve_{name}", doc, labels, buckets=buckets, registry=r)
+
+        self._running = gauge("num_requests_running", "Requests in the running batch.")
+        self._waiting = gauge("num_requests_waiting",
+                              "Requests waiting: the engine's queue plus KV admissions.")
+        self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0-1.")
+        self._kv_blocks = gauge("kv_blocks", "KV blocks by state: free (in the free queue), "
+                                "cached (hashed), used (ref_cnt > 0), pinned (held for a "
+                                "transfer).", ("state",))
+        self._prefix_queries = counter("prefix_cache_queries",
+                                       "Tokens looked up in the prefix cache.")
+        self._prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self._preemptions = counter("num_preemptions", "Preemptions (by recompute).")
+        self._prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled here.")
+        self._generation_tokens = counter("generation_tokens", "Tokens generated here.")
+        self._request_success = counter("request_success", "Finished requests by reason.",
+                                        ("finished_reason",))
+        self._ttft = histogram("time_to_first_token_seconds",
+                               "From request arrival to its first token.", _TTFT_BUCKETS)
+        self._itl = histogram("inter_token_latency_seconds",
+                              "Between consecutive tokens of a request.", _ITL_BUCKETS)
+        self._e2e = histogram("e2e_request_latency_seconds",
+                              "From request arrival to its last token.", _E2E_BUCKETS)
+        self._blocks_sent = counter("kv_transfer_blocks_sent", "KV blocks sent by FetchKV.")
+        self._bytes_sent = counter("kv_transfer_bytes_sent", "KV payload bytes sent.")
+        self._blocks_received = counter("kv_transfer_blocks_received",
+                                        "KV blocks received and written into the cache.")
+        self._bytes_received = counter("kv_transfer_bytes_received",
+                                       "KV payload bytes received.")
+        self._transfer_seconds = histogram("kv_transfer_seconds", "Duration of one KV transfer.",
+                                           _TRANSFER_BUCKETS)
+        self._model = model_name
+        self._last: EngineStats | None = None
+
+    def _l(self, metric, **extra):
+        return metric.labels(model_name=self._model, **extra)
+
+    def update_engine(self, s: EngineStats, num_pinned_blocks: int, num_pending: int) -> None:
+        self._l(self._running).set(s.num_running)
+        self._l(self._waiting).set(s.num_waiting + num_pending)
+        self._l(self._kv_usage).set(s.kv_cache_usage)
+        for state, value in (("free", s.num_free_blocks), ("cached", s.num_cached_blocks),
+                             ("used", s.num_used_blocks), ("pinned", num_pinned_blocks)):
+            self._l(self._kv_blocks, state=state).set(value)
+        last = self._last
+        for metric, value, before in (
+                (self._prefix_queries, s.prefix_cache_queries, last and last.prefix_cache_queries),
+                (self._prefix_hits, s.prefix_cache_hits, last and last.prefix_cache_hits),
+                (self._preemptions, s.num_preemptions, last and last.num_preemptions)):
+            if value > (before or 0):
+                self._l(metric).inc(value - (before or 0))
+        self._last = s
+
+    def request_finished(self, reason: str, num_prompt_tokens: int, num_generated: int,
+                         e2e_seconds: float) -> None:
+        self._l(self._request_success, finished_reason=reason).inc()
+        if num_prompt_tokens:
+            self._l(self._prompt_tokens).inc(num_prompt_tokens)
+        if num_generated:
+            self._l(self._generation_tokens).inc(num_generated)
+        self._l(self._e2e).observe(e2e_seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self._l(self._ttft).observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self._l(self._itl).observe(seconds)
+
+    def kv_sent(self, num_blocks: int, num_bytes: int) -> None:
+        self._l(self._blocks_sent).inc(num_blocks)
+        self._l(self._bytes_sent).inc(num_bytes)
+
+    def kv_received(self, num_blocks: int, num_bytes: int) -> None:
+        self._l(self._blocks_received).inc(num_blocks)
+        self._l(self._bytes_received).inc(num_bytes)
+
+    def kv_transfer(self, seconds: float) -> None:
+        self._l(self._transfer_seconds).observe(seconds)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's value (0 if absent), e.g. value("kv_transfer_blocks_received_total")."""
+        v = self.registry.get_sample_value(f"pdserve_{name}",
+                                           {"model_name": self._model, **labels})
+        return v or 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,129 @@
+"""InstanceMonitor: polls the engine, feeds the metrics, keeps the Redis prefix index current.
+
+Every `publish_interval` one engine-thread op drains the KV cache events (BlockStored /
+BlockRemoved / AllBlocksCleared) and snapshots the stats; the events' net effect is
+published to this instance's held set. Every `heartbeat_interval` the registration is
+refreshed. When Redis was unreachable (events were dropped) or lost our keys (restart,
+TTL lapsed) the monitor republishes the whole hash map, snapshotted on the engine thread
+together with the event drain so that nothing falls between the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from services.common.metrics import EngineStats
+from services.common.worker import EngineWorker, stats_op
+from shared.kv_cache.block_pool import BlockStored, KVCacheEvent
+from shared.prefix_index import InstanceInfo, PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+def net_changes(events: list[KVCacheEvent]) -> tuple[list[bytes], list[bytes]]:
+    """(added, removed): each hash's state after the last event that names it."""
+    state: dict[bytes, bool] = {}
+    for event in events:
+        stored = isinstance(event, BlockStored)
+        for block_hash in event.block_hashes:
+            state[block_hash] = stored
+    return ([h for h, held in state.items() if held],
+            [h for h, held in state.items() if not held])
+
+
+class InstanceMonitor:
+    def __init__(self, worker: EngineWorker, index: PrefixIndex | None) -> None:
+        self.worker = worker
+        self.index = index
+        self.config = worker.config
+        self.stats: EngineStats | None = None
+        self.dirty = True
+        """Redis may not match our cache: republish everything at the next chance."""
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self.index is not None:
+            await self.index.unregister(self.worker.identity.instance_id)
+
+    def info(self) -> InstanceInfo:
+        w, s = self.worker, self.stats
+        return InstanceInfo(
+            instance_id=w.identity.instance_id, role=w.role, address=w.identity.address,
+            model=w.model_name, num_running=s.num_running if s else 0,
+            num_waiting=(s.num_waiting if s else 0) + w.num_pending(),
+            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, block_size=w.block_size)
+
+    async def _run(self) -> None:
+        next_heartbeat = 0.0
+        while True:
+            try:
+                if time.monotonic() >= next_heartbeat:
+                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+                    await self.heartbeat()
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let monitoring take the service down
+                logger.exception("instance monitor tick failed")
+            await asyncio.sleep(self.config.publish_interval)
+
+    async def tick(self) -> None:
+        """Drain events, update metrics, publish the net changes."""
+        async with self._lock:
+            events, self.stats = await self.worker.engine.call(
+                lambda e: (e.kv_cache_manager.take_events(), stats_op(e)))
+            self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks(),
+                                              self.worker.num_pending())
+            if self.index is None:
+                return
+            if self.dirty:
+                await self._resync()
+                return
+            added, removed = net_changes(events)
+            if not await self.index.publish(self.worker.identity.instance_id, added, removed):
+                self.dirty = True
+
+    async def heartbeat(self) -> None:
+        if self.index is None:
+            return
+        async with self._lock:
+            is_new = await self.index.register(self.info())
+            if is_new is None:
+                self.dirty = True
+            elif is_new or self.dirty:
+                await self._resync(registered=True)
+
+    async def flush(self) -> None:
+        """Publish everything pending now (tests, shutdown)."""
+        await self.tick()
+        if self.dirty:
+            await self.heartbeat()
+
+    async def _resync(self, registered: bool = False) -> None:
+        assert self.index is not None
+        instance_id = self.worker.identity.instance_id
+        if not registered and await self.index.register(self.info()) is None:
+            return
+        hashes = await self.worker.engine.call(snapshot_hashes_op)
+        if await self.index.republish(instance_id, hashes):
+            if self.dirty:
+                logger.info("prefix index: republished %d block hashes of %s", len(hashes),
+                            instance_id)
+            self.dirty = False
+
+
+def snapshot_hashes_op(engine) -> list[bytes]:
+    """Every hash cached in the pool; drops the pending events (the snapshot covers them)."""
+    kv = engine.kv_cache_manager
+    kv.take_events()
+    return list(kv.block_pool.cached_block_hash_to_block)

@@ -1,0 +1,164 @@
+"""EngineWorker: what the prefill and decode workers share, and their engine-thread ops.
+
+A worker owns one AsyncEngine. Every op that touches the scheduler or the KV cache manager
+runs on the engine thread, between steps, through `AsyncEngine.call`; the functions named
+`*_op` below are such ops (they take the EngineCore and must not block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+from services.common.config import ServiceConfig
+from services.common.metrics import EngineStats, ServiceMetrics
+from shared.engine.async_engine import AsyncEngine
+from shared.engine.engine_core import EngineCore
+from shared.kv_transfer.codec import KVLayout
+from shared.request import Request
+
+
+class Identity(NamedTuple):
+    instance_id: str
+    address: str
+    """host:port others reach this instance's gRPC server at."""
+
+
+class EngineState(NamedTuple):
+    """The leak audit and load view (the fields of the proto EngineState)."""
+
+    instance_id: str
+    role: str
+    model: str
+    num_gpu_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_used_blocks: int
+    num_pinned_blocks: int
+    num_running: int
+    num_waiting: int
+    invariants_ok: bool
+    invariants_error: str
+    max_model_len: int
+    block_size: int
+
+
+def stats_op(engine: EngineCore) -> EngineStats:
+    s = engine.scheduler.make_stats()
+    pool = engine.kv_cache_manager.block_pool
+    num_free = pool.get_num_free_blocks()
+    return EngineStats(
+        num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage,
+        num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits, num_gpu_blocks=pool.num_gpu_blocks,
+        num_free_blocks=num_free, num_cached_blocks=pool.num_cached_blocks,
+        num_used_blocks=pool.num_gpu_blocks - 1 - num_free)
+
+
+def check_invariants_op(engine: EngineCore, owned: set[str]) -> str:
+    """"" when the KV cache manager's invariants hold and every request holding blocks is
+    the scheduler's or in `owned` (the worker's); else the first broken one."""
+    kv = engine.kv_cache_manager
+    try:
+        kv.check_invariants()
+    except AssertionError as e:
+        return str(e) or "AssertionError"
+    orphans = sorted(set(kv.req_to_blocks) - set(engine.scheduler.requests) - owned)
+    if orphans:
+        return f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
+    return ""
+
+
+def free_unscheduled_op(engine: EngineCore, request: Request) -> None:
+    """Give back whatever `request` holds outside the scheduler's care.
+
+    A request the scheduler still tracks is aborted (it frees the blocks); otherwise the
+    blocks it holds (finished with hold_finished_blocks, or allocated for a KV transfer and
+    never added) are freed. Idempotent: a request holding nothing is a no-op.
+    """
+    if request.request_id in engine.scheduler.requests:
+        engine.abort_requests([request.request_id])
+    else:
+        engine.kv_cache_manager.free(request)
+
+
+class EngineWorker:
+    """One instance's engine plus its service state.
+
+    Args:
+        engine: the engine, already running its thread.
+        config: the service flags.
+        identity: this instance's registry id and reachable address.
+        metrics: this instance's Prometheus metrics.
+        eos_token_id: the tokenizer's EOS id (stop rule of every request).
+    """
+
+    role = ""
+
+    def __init__(self, engine: AsyncEngine, config: ServiceConfig, identity: Identity,
+                 metrics: ServiceMetrics, eos_token_id: int | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.identity = identity
+        self.metrics = metrics
+        self.eos_token_id = eos_token_id
+        core = engine.engine
+        self.model_name = core.model_config.served_model_name
+        self.max_model_len = core.model_config.max_model_len
+        self.block_size = core.kv_cache_manager.block_size
+        self.num_gpu_blocks = core.num_gpu_blocks
+        self.layout = KVLayout.of(core.model_runner.kv_caches)
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- overridden by the roles -------------------------------------------------------------
+
+    def num_pinned_blocks(self) -> int:
+        """Blocks held for KV transfers (prefill)."""
+        return 0
+
+    def num_pending(self) -> int:
+        """Requests this worker holds outside the engine's queues (decode admissions)."""
+        return 0
+
+    def num_in_flight(self) -> int:
+        """Requests a drain waits for."""
+        return 0
+
+    def owned_request_ids(self) -> set[str]:
+        """Requests whose blocks this worker (not the scheduler) is responsible for."""
+        return set()
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        return await self.engine.abort(request_ids)
+
+    # -- shared ------------------------------------------------------------------------------
+
+    async def get_state(self, check_invariants: bool = False) -> EngineState:
+        owned = self.owned_request_ids()
+        stats, error = await self.engine.call(
+            lambda e: (stats_op(e), check_invariants_op(e, owned) if check_invariants else ""))
+        return EngineState(
+            instance_id=self.identity.instance_id, role=self.role, model=self.model_name,
+            num_gpu_blocks=stats.num_gpu_blocks, num_free_blocks=stats.num_free_blocks,
+            num_cached_blocks=stats.num_cached_blocks, num_used_blocks=stats.num_used_blocks,
+            num_pinned_blocks=self.num_pinned_blocks(), num_running=stats.num_running,
+            num_waiting=stats.num_waiting + self.num_pending(), invariants_ok=not error,
+            invariants_error=error, max_model_len=self.max_model_len,
+            block_size=self.block_size)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run `coro` in the background, kept alive until done (shutdown awaits them)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def close(self) -> None:
+        """Let background calls (ReleaseKV...) finish briefly, then cancel the rest. The
+        engine itself is shut down by the runtime."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.rpc_timeout)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

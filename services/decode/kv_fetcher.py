@@ -1,0 +1,106 @@
+"""KVFetcher: pulls a request's missing KV blocks from a prefill instance into this cache.
+
+    FetchKV(request_id, block_indices) ──▶ KVChunk stream ──▶ TransferTracker.accept
+        (dtype, shape, length, indices checked) ──▶ write_kv_blocks(our block ids)
+    then ReleaseKV(request_id), in the background, with a deadline.
+
+One gRPC channel per prefill address, created on first use, with the raised message limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from services.common.config import ServiceConfig
+from services.common.errors import ServiceError
+from services.common.metrics import ServiceMetrics
+from shared.kv_transfer.codec import (
+    KVCaches,
+    KVChunkData,
+    KVCodecError,
+    KVLayout,
+    TransferTracker,
+    write_kv_blocks,
+)
+from shared.kv_transfer.handle import KVHandle
+from shared.proto import engine_pb2 as pb
+from shared.proto import engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class KVFetcher:
+    def __init__(self, kv_caches: KVCaches, config: ServiceConfig,
+                 metrics: ServiceMetrics) -> None:
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.config = config
+        self.metrics = metrics
+        self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.PrefillServiceStub]] = {}
+
+    def _stub(self, address: str) -> engine_pb2_grpc.PrefillServiceStub:
+        entry = self._stubs.get(address)
+        if entry is None:
+            channel = grpc.aio.insecure_channel(address, options=self.config.grpc_options())
+            entry = self._stubs[address] = (channel, engine_pb2_grpc.PrefillServiceStub(channel))
+        return entry[1]
+
+    async def fetch(self, request_id: str, handle: KVHandle, block_indices: Sequence[int],
+                    dst_block_ids: Sequence[int]) -> None:
+        """Write the handle's blocks `block_indices` into our blocks `dst_block_ids`.
+
+        Raises:
+            ServiceError: the prefill's status passed through (NOT_FOUND: pin expired...),
+                DATA_LOSS for a chunk that does not fit or a stream that ends early.
+        """
+        address = handle.prefill_address
+        tracker = TransferTracker(self.layout, block_indices)
+        dst = dict(zip(block_indices, dst_block_ids))
+        start = time.monotonic()
+        call = self._stub(address).FetchKV(
+            pb.FetchKVRequest(request_id=request_id, block_indices=block_indices),
+            timeout=self.config.kv_transfer_timeout, metadata=(("x-request-id", request_id),))
+        try:
+            async for chunk in call:
+                if chunk.request_id != request_id:
+                    raise KVCodecError(f"chunk is for request {chunk.request_id!r}")
+                data = tracker.accept(KVChunkData(list(chunk.block_indices), chunk.layer_start,
+                                                  chunk.dtype, tuple(chunk.shape), chunk.data))
+                write_kv_blocks(self.kv_caches, [dst[i] for i in chunk.block_indices],
+                                chunk.layer_start, data)
+        except grpc.aio.AioRpcError as e:
+            raise ServiceError(e.code(), f"FetchKV from prefill {address} failed: "
+                               f"{e.details()}") from None
+        except KVCodecError as e:
+            raise ServiceError(grpc.StatusCode.DATA_LOSS,
+                               f"bad KV chunk from prefill {address}: {e}") from None
+        finally:
+            if not call.done():
+                call.cancel()
+        if not tracker.complete:
+            raise ServiceError(grpc.StatusCode.DATA_LOSS,
+                               f"truncated KV transfer from prefill {address}: "
+                               f"{tracker.num_missing_blocks} of {len(block_indices)} blocks "
+                               "never arrived")
+        self.metrics.kv_received(len(block_indices), tracker.num_bytes)
+        self.metrics.kv_transfer(time.monotonic() - start)
+
+    async def release(self, request_id: str, handle: KVHandle) -> None:
+        """ReleaseKV on the prefill instance; failures are logged (its TTL unpins anyway)."""
+        try:
+            await self._stub(handle.prefill_address).ReleaseKV(
+                pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout,
+                metadata=(("x-request-id", request_id),))
+        except grpc.aio.AioRpcError as e:
+            logger.warning("[%s] ReleaseKV on %s failed: %s %s", request_id,
+                           handle.prefill_address, e.code().name, e.details())
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch, _ in self._stubs.values()),
+                             return_exceptions=True)
+        self._stubs.clear()

@@ -1,0 +1,87 @@
+"""DecodeServicer: proto <-> DecodeWorker, nothing else (grpc.aio)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+
+import grpc
+
+from services.common.convert import (
+    FINISH_REASONS,
+    handle_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+)
+from services.common.errors import abort_with
+from services.common.server import ServiceRuntime
+from services.decode.worker import DecodeWorker
+from shared.proto import engine_pb2 as pb
+from shared.proto import engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, runtime: ServiceRuntime) -> None:
+        self.runtime = runtime
+
+    def _worker(self, new_request: bool = False) -> DecodeWorker:
+        worker = self.runtime.require_worker(new_request)
+        assert isinstance(worker, DecodeWorker)
+        return worker
+
+    async def Generate(self, request: pb.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> None:
+        # NOTE: a coroutine writing with context.write (see PrefillServicer.FetchKV): a
+        # cancelled call frees the request's blocks at once.
+        rid = request.request_id
+        num_tokens = 0
+        try:
+            worker = self._worker(new_request=True)
+            if not rid:
+                raise ValueError("request_id must not be empty")
+            params = sampling_params_from_proto(request.sampling_params)
+            engine_request = worker.make_request(
+                rid, list(request.prompt_token_ids), list(request.output_token_ids), params,
+                request.cache_salt or None)
+            handle = (handle_from_proto(request.kv_transfer_params)
+                      if request.HasField("kv_transfer_params") else None)
+            async with aclosing(worker.generate(engine_request, handle)) as outputs:
+                async for out in outputs:
+                    num_tokens += len(out.token_ids)
+                    chunk = pb.TokenChunk(
+                        request_id=rid, token_ids=out.token_ids,
+                        logprobs=[logprobs_to_proto(lp) for lp in out.logprobs],
+                        finish_reason=FINISH_REASONS[out.finish_reason])
+                    if out.num_cached_tokens is not None:
+                        chunk.num_cached_tokens = out.num_cached_tokens
+                    await context.write(chunk)
+                    if out.finish_reason is not None:
+                        logger.info("[%s] decoded %d tokens, finished: %s", rid, num_tokens,
+                                    out.finish_reason.value)
+        except Exception as e:
+            await abort_with(context, e, rid, "Generate")
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        ids = list(request.request_ids)
+        try:
+            aborted = await self._worker().abort(ids)
+        except Exception as e:
+            await abort_with(context, e, ",".join(ids), "Abort")
+        for rid in aborted:
+            logger.info("[%s] aborted", rid)
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetState(self, request: pb.GetStateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.EngineState:
+        try:
+            state = await self._worker().get_state(request.check_invariants)
+        except Exception as e:
+            await abort_with(context, e, "-", "GetState")
+        return pb.EngineState(**state._asdict())
+
+
+def add_decode_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+    engine_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(runtime), server)

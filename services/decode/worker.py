@@ -1,0 +1,292 @@
+"""DecodeWorker: admit a prefilled request, pull the KV it lacks, decode it in the batch.
+
+    Generate(request, handle)
+      │ admission queue (FIFO, bounded): wait until the pool can hold the prompt's blocks
+      ▼
+    reserve_op (engine thread): prefix-cache hits for the same hashes + fresh blocks,
+      │                         allocate_slots(..., delay_cache_blocks=True)
+      ▼
+    KVFetcher.fetch: only the missing block indices, written into our fresh blocks;
+      │              ReleaseKV to the prefill instance (always, once)
+      ▼
+    commit_op (engine thread): num_computed_tokens = num_tokens of the handle, cache_blocks
+      ▼
+    AsyncEngine.generate: the scheduler takes it like any running request (continuous batch)
+
+Without a handle the request goes straight to the engine, which prefills it here
+(conditional disaggregation; also failover: prompt + tokens generated so far recomputed).
+Whatever happens, the request's blocks end up freed: by the scheduler when it finishes or
+is aborted, by `free_unscheduled_op` (shielded) on every other way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+from services.common.errors import ServiceError
+from services.common.worker import EngineWorker, free_unscheduled_op
+from services.decode.kv_fetcher import KVFetcher
+from shared.engine.engine_core import EngineCore
+from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from shared.kv_transfer.handle import KVHandle
+from shared.request import FinishReason, Request, TokenLogprobs
+from shared.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+_ADMISSION_POLL_S = 0.05
+
+
+class GenerateOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: FinishReason | None
+    num_cached_tokens: int | None
+    """On the first output: the prefix-cache hit on this instance, in tokens."""
+
+
+@dataclass(slots=True)
+class _Ticket:
+    request: Request
+    aborted: bool = False
+    task: asyncio.Task | None = None
+    """Admission + KV transfer, cancelled by Abort."""
+
+
+def reserve_op(engine: EngineCore, request: Request, num_tokens: int,
+               watermark: int) -> tuple[int, list[int]] | None:
+    """Hold blocks for the first `num_tokens` tokens: cached hits first, fresh blocks after.
+
+    Returns (prefix-hit tokens, the request's block ids), or None when the pool cannot
+    hold them now (with `watermark` blocks to spare while other requests run).
+    """
+    kv = engine.kv_cache_manager
+    hits, num_hit_tokens = kv.get_computed_blocks(request)
+    num_computed = max(num_tokens, num_hit_tokens)
+    num_new_blocks = -(-num_computed // kv.block_size) - len(hits)
+    num_revived = sum(1 for block in hits if block.ref_cnt == 0)
+    spare = watermark if engine.scheduler.has_unfinished_requests() else 0
+    if kv.num_free_blocks - num_new_blocks - num_revived < spare:
+        return None
+    if kv.allocate_slots(request, num_computed - num_hit_tokens, hits, num_hit_tokens,
+                         delay_cache_blocks=True) is None:
+        return None
+    return num_hit_tokens, kv.get_block_ids(request.request_id)
+
+
+def commit_op(engine: EngineCore, request: Request, num_computed_tokens: int) -> None:
+    """The transferred KV is in place: mark it computed and make its full blocks cached."""
+    request.num_computed_tokens = num_computed_tokens
+    engine.kv_cache_manager.cache_blocks(request, num_computed_tokens)
+
+
+class DecodeWorker(EngineWorker):
+    role = "decode"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fetcher = KVFetcher(self.engine.engine.model_runner.kv_caches, self.config,
+                                 self.metrics)
+        self.watermark_blocks = max(1, self.num_gpu_blocks // 100)
+        self._tickets: dict[str, _Ticket] = {}
+        self._admission: deque[_Ticket] = deque()
+        self._admission_event = asyncio.Event()
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     output_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None) -> Request:
+        """Build and validate. Raises ValueError naming the field."""
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = next((t for t in output_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"output_token_ids: token id {bad} is outside the vocabulary "
+                             f"[0, {vocab})")
+        if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
+            raise ValueError(f"output_token_ids: {len(output_token_ids)} tokens already reach "
+                             f"max_tokens={params.max_tokens}")
+        request = Request(request_id, list(prompt_token_ids), params,
+                          eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                          output_token_ids=list(output_token_ids))
+        self.engine.engine.validate_request(request)
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt plus output_token_ids ({request.num_tokens} tokens) "
+                             f"reach max_model_len {self.max_model_len}")
+        if -(-request.num_tokens // self.block_size) > self.num_gpu_blocks - 1:
+            raise ValueError(f"the request's {request.num_tokens} tokens need more KV blocks "
+                             f"than this instance has ({self.num_gpu_blocks - 1})")
+        return request
+
+    def check_handle(self, request: Request, handle: KVHandle) -> None:
+        """Does `handle` describe this request's prompt, in a layout we can take? ValueError
+        naming the field if not."""
+        if handle.layout != self.layout:
+            raise ValueError(f"kv_transfer_params: KV layout {tuple(handle.layout)} does not "
+                             f"match this instance's {tuple(self.layout)}")
+        if handle.model != self.model_name:
+            raise ValueError(f"kv_transfer_params.model is {handle.model!r}, this instance "
+                             f"serves {self.model_name!r}")
+        if not handle.prefill_address:
+            raise ValueError("kv_transfer_params.prefill_address is empty")
+        num_tokens, bs = handle.num_tokens, self.block_size
+        if not 0 < num_tokens < request.num_tokens:
+            raise ValueError(f"kv_transfer_params.num_tokens={num_tokens} must be in "
+                             f"[1, {request.num_tokens - 1}]")
+        if len(handle.block_ids) != -(-num_tokens // bs):
+            raise ValueError(f"kv_transfer_params.block_ids has {len(handle.block_ids)} blocks, "
+                             f"{num_tokens} tokens need {-(-num_tokens // bs)}")
+        expected = hash_request_tokens(request.token_slice(0, num_tokens), bs,
+                                       block_extra_keys(self.model_name, request.cache_salt))
+        if list(handle.block_hashes) != expected:
+            i = next((i for i, (a, b) in enumerate(zip(handle.block_hashes, expected)) if a != b),
+                     min(len(handle.block_hashes), len(expected)))
+            raise ValueError(f"kv_transfer_params.block_hashes: block {i} does not match the "
+                             "prompt (another prompt, model or cache_salt)")
+
+    async def generate(self, request: Request,
+                       handle: KVHandle | None) -> AsyncIterator[GenerateOutput]:
+        """Decode `request` (transferring its prompt's KV first when `handle` is given).
+
+        Raises (before the first output):
+            ValueError: a bad handle. ServiceError: ALREADY_EXISTS, RESOURCE_EXHAUSTED (the
+            waiting queue is full), or the transfer's status (NOT_FOUND, DATA_LOSS, ...).
+        """
+        request_id = request.request_id
+        if request_id in self._tickets:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"request {request_id!r} is already being decoded")
+        if handle is not None:
+            self.check_handle(request, handle)
+        if self.num_pending() + self.engine.engine.scheduler.num_waiting \
+                >= self.config.max_waiting_requests:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"decode waiting queue is full ({self.config.max_waiting_requests}"
+                               " requests); retry later or elsewhere")
+        ticket = self._tickets[request_id] = _Ticket(request)
+        try:
+            num_cached = None
+            if handle is not None:
+                ticket.task = asyncio.get_running_loop().create_task(
+                    self._admit_transferred(ticket, handle))
+                try:
+                    num_cached = await ticket.task
+                except asyncio.CancelledError:
+                    if (task := asyncio.current_task()) is not None and task.cancelling():
+                        raise  # our caller is cancelled, not just the transfer
+                    if not ticket.aborted:
+                        raise ServiceError(grpc.StatusCode.ABORTED,
+                                           f"KV transfer of {request_id!r} was cancelled"
+                                           ) from None
+            if ticket.aborted:
+                yield GenerateOutput([], [], FinishReason.ABORT, num_cached)
+                return
+            async with aclosing(self._decode(ticket, num_cached, handle is None)) as outputs:
+                async for output in outputs:
+                    yield output
+        finally:
+            try:
+                await asyncio.shield(self.engine.call(lambda e: free_unscheduled_op(e, request)))
+            finally:
+                self._tickets.pop(request_id, None)
+                self._notify_admission()
+                if handle is not None:
+                    self.spawn(self.fetcher.release(request_id, handle))
+
+    async def _decode(self, ticket: _Ticket, num_cached: int | None,
+                      local: bool) -> AsyncIterator[GenerateOutput]:
+        request = ticket.request
+        arrival = last = time.monotonic()
+        num_generated = 0
+        async with aclosing(self.engine.generate(request)) as deltas:
+            async for delta in deltas:
+                now = time.monotonic()
+                if ticket.aborted and not delta.finished:
+                    yield GenerateOutput([], [], FinishReason.ABORT, None)
+                    return
+                first = num_generated == 0
+                if first and local:
+                    num_cached = max(request.num_cached_tokens, 0)
+                    self.metrics.first_token(now - arrival)
+                elif not first:
+                    self.metrics.inter_token(now - last)
+                last = now
+                num_generated += len(delta.new_token_ids)
+                if delta.finished:
+                    self._notify_admission()
+                    self.metrics.request_finished(
+                        delta.finish_reason.value, request.num_prompt_tokens if local else 0,
+                        num_generated, now - arrival)
+                yield GenerateOutput(delta.new_token_ids, delta.new_logprobs,
+                                     delta.finish_reason, num_cached if first else None)
+
+    async def _admit_transferred(self, ticket: _Ticket, handle: KVHandle) -> int:
+        """Reserve blocks, fetch the missing ones, commit. Returns the prefix-hit tokens."""
+        request = ticket.request
+        num_hit_tokens, block_ids = await self._reserve(ticket, handle.num_tokens)
+        first_missing = num_hit_tokens // self.block_size
+        missing = list(range(first_missing, len(handle.block_ids)))
+        if missing:
+            await self.fetcher.fetch(request.request_id, handle, missing,
+                                     [block_ids[i] for i in missing])
+        num_computed = max(handle.num_tokens, num_hit_tokens)
+        await self.engine.call(lambda e: commit_op(e, request, num_computed))
+        logger.debug("[%s] KV in place: %d blocks reused, %d fetched from %s",
+                     request.request_id, first_missing, len(missing), handle.prefill_address)
+        return num_hit_tokens
+
+    async def _reserve(self, ticket: _Ticket, num_tokens: int) -> tuple[int, list[int]]:
+        """Wait (FIFO) until the pool can hold the request's first `num_tokens` tokens."""
+        self._admission.append(ticket)
+        try:
+            while True:
+                event = self._admission_event
+                if self._admission[0] is ticket:
+                    got = await self.engine.call(
+                        lambda e: reserve_op(e, ticket.request, num_tokens,
+                                             self.watermark_blocks))
+                    if got is not None:
+                        return got
+                try:
+                    await asyncio.wait_for(event.wait(), _ADMISSION_POLL_S)
+                except TimeoutError:
+                    pass
+        finally:
+            self._admission.remove(ticket)
+            self._notify_admission()
+
+    def _notify_admission(self) -> None:
+        """Wake the admission queue (blocks were freed, or its head changed)."""
+        self._admission_event.set()
+        self._admission_event = asyncio.Event()
+
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        aborted = set()
+        for request_id in request_ids:
+            ticket = self._tickets.get(request_id)
+            if ticket is not None:
+                ticket.aborted = True
+                aborted.add(request_id)
+                if ticket.task is not None and not ticket.task.done():
+                    ticket.task.cancel()
+        aborted.update(await self.engine.abort(request_ids))
+        return sorted(aborted)
+
+    def num_pending(self) -> int:
+        return len(self._admission)
+
+    def num_in_flight(self) -> int:
+        return len(self._tickets)
+
+    def owned_request_ids(self) -> set[str]:
+        return set(self._tickets)
+
+    async def close(self) -> None:
+        await super().close()
+        await self.fetcher.close()

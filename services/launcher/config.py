@@ -1,0 +1,118 @@
+"""UpConfig: the flags of `pdserve up` (vLLM spellings where vLLM has the flag), frozen once.
+
+The engine flags (`--model`, `--max-num-seqs`, `--max-model-len`, `--block-size`,
+`--enable-prefix-caching`, `--kv-cache-memory`, ...) are EngineArgs' own, passed through to
+every prefill and decode replica; `--cpu-cores` is the set of cores the launcher splits
+between them. Internal ports (Redis, gRPC, metrics) are picked free unless given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from shared.engine_args import EngineArgs, parse_cores
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    engine_args: EngineArgs
+    """Engine flags, the same for every prefill and decode replica (cpu_cores aside)."""
+    host: str = "127.0.0.1"
+    """The gateway's bind address; internal services always bind 127.0.0.1."""
+    port: int = 8000
+    """The gateway's port, the only one meant for clients."""
+    api_key: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    cpu_cores: tuple[int, ...] = ()
+    """Cores to split between the engine processes; () = this process's affinity."""
+    prefill_cpu_cores: tuple[int, ...] | None = None
+    """Override: the prefill replicas' cores (split among them); None = derived."""
+    decode_cpu_cores: tuple[int, ...] | None = None
+    cpu_split: bool = True
+    """False: no binding, every engine process may use every core."""
+    prefill_port: int | None = None
+    """First prefill gRPC port (replica i gets +i); None = free ports."""
+    decode_port: int | None = None
+    prefill_metrics_port: int | None = None
+    decode_metrics_port: int | None = None
+    redis_port: int | None = None
+    redis_url: str | None = None
+    """Use this Redis instead of starting one."""
+    shutdown_timeout: float = 30.0
+    """Seconds from Ctrl-C / SIGTERM until whatever still runs is killed."""
+    startup_timeout: float = 600.0
+    """Seconds every health check gets to pass (the model loads within it)."""
+    log_level: str = "INFO"
+
+
+_PORT_FLAGS = {
+    "prefill-port": "first prefill gRPC port, replica i gets +i",
+    "decode-port": "first decode gRPC port, replica i gets +i",
+    "prefill-metrics-port": "first prefill Prometheus port, replica i gets +i",
+    "decode-metrics-port": "first decode Prometheus port, replica i gets +i",
+    "redis-port": "port of the Redis started here",
+}
+
+
+def _cores(text: str | None) -> tuple[int, ...] | None:
+    return None if text in (None, "") else parse_cores(text)
+
+
+def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("gateway")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="gateway bind address (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="gateway port")
+    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (or set PDSERVE_API_KEY)")
+    EngineArgs.add_cli_args(parser)
+    g = parser.add_argument_group("launcher")
+    g.add_argument("--num-prefill", type=int, default=1, help="prefill replicas")
+    g.add_argument("--num-decode", type=int, default=1, help="decode replicas")
+    g.add_argument("--prefill-cpu-cores", default=None,
+                   help="cores for the prefill replicas, e.g. 0-3 (default: a share of "
+                        "--cpu-cores)")
+    g.add_argument("--decode-cpu-cores", default=None, help="cores for the decode replicas")
+    g.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="bind prefill and decode to disjoint cores")
+    for name, text in _PORT_FLAGS.items():
+        g.add_argument(f"--{name}", type=int, default=None, help=text + " (default: free)")
+    g.add_argument("--redis-url", default=None,
+                   help="use this Redis (e.g. redis://host:6379/0) instead of starting one")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to drain on Ctrl-C / SIGTERM before killing what is left")
+    g.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds for every health check to pass")
+    return parser
+
+
+def config_from_args(ns: argparse.Namespace) -> UpConfig:
+    """Validate and freeze. Raises ValueError naming the flag."""
+    engine_args = EngineArgs.from_cli_args(ns)
+    config = UpConfig(
+        engine_args=dataclasses.replace(engine_args, cpu_cores=""),
+        host=ns.host, port=ns.port, api_key=ns.api_key or None,
+        num_prefill=ns.num_prefill, num_decode=ns.num_decode,
+        cpu_cores=parse_cores(engine_args.cpu_cores),
+        prefill_cpu_cores=_cores(ns.prefill_cpu_cores),
+        decode_cpu_cores=_cores(ns.decode_cpu_cores), cpu_split=ns.cpu_split,
+        prefill_port=ns.prefill_port, decode_port=ns.decode_port,
+        prefill_metrics_port=ns.prefill_metrics_port,
+        decode_metrics_port=ns.decode_metrics_port, redis_port=ns.redis_port,
+        redis_url=ns.redis_url or None, shutdown_timeout=ns.shutdown_timeout,
+        startup_timeout=ns.startup_timeout, log_level=str(ns.log_level).upper())
+    for name in ("num_prefill", "num_decode"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("port", "prefill_port", "decode_port", "prefill_metrics_port",
+                 "decode_metrics_port", "redis_port"):
+        value = getattr(config, name)
+        if value is not None and not 0 < value < 65536:
+            raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535, got {value}")
+    if config.shutdown_timeout <= 0 or config.startup_timeout <= 0:
+        raise ValueError("--shutdown-timeout and --startup-timeout must be > 0")
+    return config

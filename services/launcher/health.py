@@ -1,0 +1,74 @@
+"""Health probes of the launched children: Redis PING, gRPC health (SERVING), HTTP 200.
+
+Each probe answers True / False within about `timeout` seconds and never raises.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+from services.launcher.plan import Probe
+
+
+def redis_ping(address: str, timeout: float = 1.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+class GrpcHealth:
+    """gRPC health checks (the standard grpc.health.v1 service) over one channel per
+    address, reused across polls."""
+
+    def __init__(self) -> None:
+        self._channels: dict = {}
+
+    def serving(self, address: str, timeout: float = 2.0) -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.insecure_channel(address)
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+
+class Prober:
+    """Runs a Probe of any kind."""
+
+    def __init__(self) -> None:
+        self.grpc = GrpcHealth()
+
+    def check(self, probe: Probe) -> bool:
+        if probe.kind == "redis":
+            return redis_ping(probe.target)
+        if probe.kind == "grpc":
+            return self.grpc.serving(probe.target)
+        return http_ok(probe.target)
+
+    def close(self) -> None:
+        self.grpc.close()

@@ -1,0 +1,248 @@
+"""`pdserve up`: start Redis, the prefill and decode replicas and the gateway, wait until every
+health check passes, print the URL and a curl line, and stop them all on Ctrl-C / SIGTERM.
+
+    prereqs (redis-server, model) ─▶ redis ─▶ engines + gateway ─▶ all healthy ─▶ banner
+    ─▶ run until a signal or a child's death ─▶ stop stage by stage (SIGTERM to each group,
+    one --shutdown-timeout deadline for all) ─▶ SIGKILL what is left ─▶ exit
+
+A second Ctrl-C kills everything at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+
+from services.launcher.config import UpConfig, config_from_args
+from services.launcher.cores import format_cores
+from services.launcher.health import Prober
+from services.launcher.plan import ChildSpec, Plan, build_plan, child_env
+from services.launcher.prereqs import (
+    SetupError,
+    ensure_model,
+    ensure_redis_server,
+    served_model_name,
+)
+from services.launcher.process import ChildProcess, LogSink
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_POLL = 0.5
+NAME = "pdserve"
+
+
+class Launcher:
+    def __init__(self, plan: Plan, config: UpConfig, sink: LogSink) -> None:
+        self.plan = plan
+        self.config = config
+        self.sink = sink
+        env = child_env(os.environ)
+        self.children = [(spec, ChildProcess(spec.name, spec.argv, {**env, **spec.env}, sink))
+                         for spec in plan.children]
+        self.prober = Prober()
+        self._stop = threading.Event()
+        self._num_signals = 0
+        self._signal_name = ""
+        self._failed = False
+
+    def say(self, message: str) -> None:
+        self.sink.write(NAME, message)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        # NOTE: no printing here: the handler may interrupt the main thread inside a write
+        # (a held lock, a non-reentrant buffer); _shutdown reports the signal.
+        self._num_signals += 1
+        self._signal_name = signal.Signals(signum).name
+        if self._num_signals > 1:
+            for _, child in self.children:
+                child.kill()
+        self._stop.set()
+
+    @property
+    def _force(self) -> bool:
+        return self._num_signals > 1
+
+    def run(self) -> int:
+        """Returns 0 after a requested stop in which every child exited 0, else 1."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in _SIGNALS}
+        try:
+            if self._start_all():
+                self._wait_until_stopped()
+        finally:
+            clean = self._shutdown()
+            self.prober.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0 if clean and not self._failed else 1
+
+    def _start_all(self) -> bool:
+        t0 = time.monotonic()
+        redis = [(s, c) for s, c in self.children if s.name == "redis"]
+        rest = [(s, c) for s, c in self.children if s.name != "redis"]
+        for group in (redis, rest):
+            for spec, child in group:
+                extra = f" on cores {format_cores(spec.cores)}" if spec.cores else ""
+                self.say(f"starting {spec.name}{extra}")
+                child.start()
+            if not self._wait_healthy(group, t0):
+                return False
+        self._print_banner(time.monotonic() - t0)
+        return True
+
+    def _wait_healthy(self, group: list[tuple[ChildSpec, ChildProcess]], t0: float) -> bool:
+        pending = list(group)
+        deadline = t0 + self.config.startup_timeout
+        while pending:
+            if self._stop.is_set():
+                return False
+            engines_pending = any(s.probe.kind == "grpc" for s, _ in pending)
+            for spec, child in list(pending):
+                code = child.poll()
+                if code is not None:
+                    self.say(f"{spec.name} exited with code {code} before it was ready "
+                             "(its log lines above say why); stopping everything")
+                    self._failed = True
+                    return False
+                # The gateway's /health needs SERVING engines: ask it only after them.
+                if spec.probe.kind == "http" and engines_pending:
+                    continue
+                if self.prober.check(spec.probe):
+                    self.say(f"{spec.name} is ready ({time.monotonic() - t0:.1f} s)")
+                    pending.remove((spec, child))
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(s.name for s, _ in pending)
+                self.say(f"{names} not ready after --startup-timeout "
+                         f"{self.config.startup_timeout:g} s; stopping everything")
+                self._failed = True
+                return False
+            if pending:
+                self._stop.wait(_POLL)
+        return True
+
+    def _wait_until_stopped(self) -> None:
+        while not self._stop.wait(_POLL):
+            for spec, child in self.children:
+                code = child.poll()
+                if code is not None:
+                    self.say(f"{spec.name} exited unexpectedly with code {code}; "
+                             "stopping everything")
+                    self._failed = True
+                    return
+
+    def _shutdown(self) -> bool:
+        """Stop stage by stage under one deadline; True if every child exited 0."""
+        started = [(s, c) for s, c in self.children if c.proc is not None]
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        if self._signal_name:
+            self.say(f"{self._signal_name}: stopping (Ctrl-C again to kill everything now)")
+        for stage in sorted({s.stage for s, _ in started}):
+            group = [c for s, c in started if s.stage == stage]
+            for child in group:
+                child.terminate()
+            for child in group:
+                while child.running and time.monotonic() < deadline and not self._force:
+                    child.wait(0.2)
+        if self._force:
+            self.say("a second signal: killed everything")
+        codes = {}
+        for spec, child in started:
+            if child.running:
+                if not self._force:
+                    self.say(f"{spec.name} still running after --shutdown-timeout "
+                             f"{self.config.shutdown_timeout:g} s: SIGKILL")
+                child.kill()
+            codes[spec.name] = child.wait(10)
+            child.kill()  # anything its leader left behind in the group
+            child.join_output()
+        if started:
+            self.say("stopped: " + ", ".join(f"{n} {_describe(c)}" for n, c in codes.items()))
+        # NOTE: uvicorn re-raises the SIGTERM it handled once it has shut down cleanly.
+        return all(c in (0, -signal.SIGTERM) for c in codes.values())
+
+    def _print_banner(self, elapsed: float) -> None:
+        url = self.plan.gateway_url
+        rows = [f"pdserve is ready in {elapsed:.0f} s: {url}/v1 serves "
+                f"{self.plan.served_model_name}"]
+        width = max(len(s.name) for s, _ in self.children)
+        for spec, _ in self.children:
+            if spec.probe.kind == "redis":
+                what = self.plan.redis_url
+            elif spec.probe.kind == "grpc":
+                what = (f"grpc {spec.probe.target}  metrics "
+                        f"http://127.0.0.1:{spec.ports[1]}/metrics")
+                if spec.cores:
+                    what += f"  cores {format_cores(spec.cores)}"
+            else:
+                what = f"{url}  metrics {url}/metrics"
+            rows.append(f"  {spec.name.ljust(width)}  {what}")
+        rows += ["Try it:", "  " + curl_line(url, self.plan.served_model_name,
+                                             self.config.api_key),
+                 "Stop with Ctrl-C."]
+        self.sink.raw("\n".join(rows))
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"ended by {signal.Signals(-code).name}"
+    return f"exit {code}"
+
+
+def curl_line(url: str, model: str, api_key: str | None) -> str:
+    body = json.dumps({"model": model, "max_tokens": 64, "messages": [
+        {"role": "user", "content": "Why is the sky blue?"}]})
+    auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
+    return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(body)}")
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return True
+    return False
+
+
+def main(ns: argparse.Namespace) -> int:
+    sink = LogSink(sys.stdout, width=len(NAME))
+    try:
+        config = config_from_args(ns)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def say(message: str) -> None:
+        sink.write(NAME, message)
+
+    try:
+        if config.redis_url is None:
+            ensure_redis_server(say)
+        model_path = ensure_model(config.engine_args.model, say)
+    except SetupError as e:
+        say(f"error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        say("interrupted before anything started")
+        return 130
+    name = served_model_name(config.engine_args.model, model_path,
+                             config.engine_args.served_model_name)
+    plan = build_plan(config, model_path, name)
+    busy = [f"{spec.name} port {port}" for spec in plan.children for port in spec.ports
+            if _port_in_use(config.host if spec.name == "gateway" else "127.0.0.1", port)]
+    if busy:
+        say("error: in use already: " + ", ".join(busy) + " (pick others with --port, "
+            "--prefill-port, ... or leave the internal ones unset)")
+        return 1
+    sink.width = max(len(NAME), *(len(s.name) for s in plan.children))
+    return Launcher(plan, config, sink).run()

@@ -1,0 +1,106 @@
+"""PrefillServicer: proto <-> PrefillWorker, nothing else (grpc.aio)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+
+import grpc
+
+from services.common.convert import (
+    FINISH_REASONS,
+    handle_to_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+)
+from services.common.errors import abort_with
+from services.common.server import ServiceRuntime
+from services.prefill.worker import PrefillWorker
+from shared.proto import engine_pb2 as pb
+from shared.proto import engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, runtime: ServiceRuntime) -> None:
+        self.runtime = runtime
+
+    def _worker(self, new_request: bool = False) -> PrefillWorker:
+        worker = self.runtime.require_worker(new_request)
+        assert isinstance(worker, PrefillWorker)
+        return worker
+
+    async def Prefill(self, request: pb.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        rid = request.request_id
+        try:
+            worker = self._worker(new_request=True)
+            if not rid:
+                raise ValueError("request_id must not be empty")
+            params = sampling_params_from_proto(request.sampling_params)
+            result = await worker.prefill(rid, list(request.prompt_token_ids), params,
+                                          request.cache_salt or None)
+        except Exception as e:
+            await abort_with(context, e, rid, "Prefill")
+        response = pb.PrefillResponse(
+            request_id=rid, first_token_id=result.first_token_id,
+            num_cached_tokens=result.num_cached_tokens,
+            finish_reason=FINISH_REASONS[result.finish_reason])
+        if result.first_logprobs is not None:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
+        if result.handle is not None:
+            response.kv_transfer_params.CopyFrom(handle_to_proto(result.handle))
+        logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", rid,
+                    len(request.prompt_token_ids), result.num_cached_tokens,
+                    result.first_token_id,
+                    f", finished: {result.finish_reason.value}" if result.finish_reason else "")
+        return response
+
+    async def FetchKV(self, request: pb.FetchKVRequest,
+                      context: grpc.aio.ServicerContext) -> None:
+        # NOTE: a coroutine writing with context.write, not an async generator: when the
+        # client cancels, CancelledError lands in this frame and `aclosing` ends the stream
+        # (and its pin bookkeeping) at once, instead of whenever the generator is collected.
+        rid = request.request_id
+        try:
+            worker = self._worker()
+            async with aclosing(worker.fetch_kv(rid, list(request.block_indices))) as chunks:
+                async for c in chunks:
+                    await context.write(pb.KVChunk(
+                        request_id=rid, block_indices=c.block_indices, dtype=c.dtype,
+                        shape=c.shape, data=c.data, layer_start=c.layer_start))
+        except Exception as e:
+            await abort_with(context, e, rid, "FetchKV")
+
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
+        try:
+            released = await self._worker().release(request.request_id)
+        except Exception as e:
+            await abort_with(context, e, request.request_id, "ReleaseKV")
+        logger.debug("[%s] ReleaseKV: released=%s", request.request_id, released)
+        return pb.ReleaseKVResponse(released=released)
+
+    async def Abort(self, request: pb.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        ids = list(request.request_ids)
+        try:
+            aborted = await self._worker().abort(ids)
+        except Exception as e:
+            await abort_with(context, e, ",".join(ids), "Abort")
+        for rid in aborted:
+            logger.info("[%s] aborted", rid)
+        return pb.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetState(self, request: pb.GetStateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.EngineState:
+        try:
+            state = await self._worker().get_state(request.check_invariants)
+        except Exception as e:
+            await abort_with(context, e, "-", "GetState")
+        return pb.EngineState(**state._asdict())
+
+
+def add_prefill_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
+    engine_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(runtime), server)

@@ -1,0 +1,253 @@
+"""PrefixIndex: the cluster's view of which instance caches which KV blocks, in Redis.
+
+Keys (`{p}` is the key prefix, "pdserve" by default):
+
+    {p}:instance:{instance_id}   string, JSON InstanceInfo, TTL `ttl` (the heartbeat)
+    {p}:instances:{model}        set of instance ids that registered for the model
+    {p}:held:{instance_id}       set of 16-byte block hashes the instance holds cached
+                                 (TTL `ttl`, refreshed by the heartbeat)
+
+An instance's own hash map is authoritative; this is the shared, eventually consistent
+view. A dead instance's keys expire by themselves. Redis is optional: when it cannot be
+reached every method logs it once, returns a fallback at once (no retry storm) and tries
+again after an exponential backoff. Torch-free (the gateway imports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_BATCH = 4096
+
+# KEYS[1]: the model's instance set; ARGV[1]: key prefix. Drops ids whose registration expired.
+_LIVE_INSTANCES = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local info = redis.call('GET', ARGV[1] .. ':instance:' .. id)
+  if info then table.insert(out, info) else redis.call('SREM', KEYS[1], id) end
+end
+return out
+"""
+
+# KEYS[1]: the model's instance set; ARGV[1]: key prefix; ARGV[2..]: block hashes in order.
+# Returns {id, n, id, n, ...}: leading hashes each live instance holds (n > 0 only).
+_LONGEST_PREFIX = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', ARGV[1] .. ':instance:' .. id) == 1 then
+    local held = ARGV[1] .. ':held:' .. id
+    local n = 0
+    for i = 2, #ARGV do
+      if redis.call('SISMEMBER', held, ARGV[i]) == 0 then break end
+      n = n + 1
+    end
+    if n > 0 then table.insert(out, id); table.insert(out, n) end
+  end
+end
+return out
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """One registered prefill or decode instance, as the gateway routes to it."""
+
+    instance_id: str
+    role: str
+    """"prefill" | "decode"."""
+    address: str
+    """host:port of its gRPC server."""
+    model: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    block_size: int = 16
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> InstanceInfo:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in fields})
+
+
+class PrefixIndex:
+    """Registration, block-hash publishing and longest-prefix lookups (redis.asyncio).
+
+    Args:
+        redis_url: e.g. redis://localhost:6379/0.
+        model: the served model name (instances of other models are never returned).
+        ttl: seconds a registration (and the held set) lives without a heartbeat.
+        key_prefix: prefix of every key.
+        socket_timeout: per-command timeout, seconds.
+        max_backoff: longest wait between reconnection attempts, seconds.
+    """
+
+    def __init__(self, redis_url: str, model: str, *, ttl: float = 10.0,
+                 key_prefix: str = "pdserve", socket_timeout: float = 1.0,
+                 max_backoff: float = 5.0):
+        self.redis_url = redis_url
+        self.model = model
+        self.ttl = ttl
+        self.key_prefix = key_prefix
+        self.max_backoff = max_backoff
+        self._redis = aioredis.from_url(
+            redis_url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout,
+            retry=Retry(NoBackoff(), 0))
+        self._live_script = self._redis.register_script(_LIVE_INSTANCES)
+        self._prefix_script = self._redis.register_script(_LONGEST_PREFIX)
+        self.is_up = True
+        """False from a connection failure until the next successful command."""
+        self._backoff = 0.0
+        self._retry_at = 0.0
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def instance_key(self, instance_id: str) -> str:
+        return f"{self.key_prefix}:instance:{instance_id}"
+
+    def held_key(self, instance_id: str) -> str:
+        return f"{self.key_prefix}:held:{instance_id}"
+
+    @property
+    def instances_key(self) -> str:
+        return f"{self.key_prefix}:instances:{self.model}"
+
+    # -- instance side ----------------------------------------------------------------------
+
+    async def register(self, info: InstanceInfo) -> bool | None:
+        """Write (or refresh: this is the heartbeat) the registration of `info`.
+
+        Returns:
+            True when no registration was there (first start, Redis restarted, or the TTL
+            lapsed): the caller must `republish`. False when refreshed. None when Redis is
+            unreachable.
+        """
+        async def op() -> bool:
+            ttl_ms = int(self.ttl * 1000)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(self.instance_key(info.instance_id), info.to_json(), px=ttl_ms,
+                         get=True)
+                pipe.sadd(self.instances_key, info.instance_id)
+                pipe.pexpire(self.held_key(info.instance_id), ttl_ms)
+                previous, _, _ = await pipe.execute()
+            return previous is None
+        return await self._call("register", op, None)
+
+    async def publish(self, instance_id: str, added: Iterable[bytes],
+                      removed: Iterable[bytes]) -> bool:
+        """Apply a batch of cache changes (net effect: a hash is in at most one list).
+
+        Returns whether Redis took it; on False the caller republishes later.
+        """
+        added, removed = list(added), list(removed)
+        if not added and not removed:
+            return True
+
+        async def op() -> bool:
+            key = self.held_key(instance_id)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for i in range(0, len(removed), _BATCH):
+                    pipe.srem(key, *removed[i:i + _BATCH])
+                for i in range(0, len(added), _BATCH):
+                    pipe.sadd(key, *added[i:i + _BATCH])
+                pipe.pexpire(key, int(self.ttl * 1000))
+                await pipe.execute()
+            return True
+        return bool(await self._call("publish", op, False))
+
+    async def republish(self, instance_id: str, block_hashes: Iterable[bytes]) -> bool:
+        """Replace everything published for `instance_id` with `block_hashes` (atomically)."""
+        hashes = list(block_hashes)
+
+        async def op() -> bool:
+            key = self.held_key(instance_id)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                for i in range(0, len(hashes), _BATCH):
+                    pipe.sadd(key, *hashes[i:i + _BATCH])
+                pipe.pexpire(key, int(self.ttl * 1000))
+                await pipe.execute()
+            return True
+        return bool(await self._call("republish", op, False))
+
+    async def unregister(self, instance_id: str) -> bool:
+        async def op() -> bool:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self.instance_key(instance_id), self.held_key(instance_id))
+                pipe.srem(self.instances_key, instance_id)
+                await pipe.execute()
+            return True
+        return bool(await self._call("unregister", op, False))
+
+    # -- gateway side -----------------------------------------------------------------------
+
+    async def live_instances(self, role: str | None = None) -> list[InstanceInfo]:
+        """Registered instances of this model whose heartbeat is current (one round trip)."""
+        async def op() -> list[InstanceInfo]:
+            raw = await self._live_script(keys=[self.instances_key], args=[self.key_prefix])
+            infos = [InstanceInfo.from_json(r) for r in raw]
+            return [i for i in infos if role is None or i.role == role]
+        return await self._call("live_instances", op, [])
+
+    async def longest_prefix(self, block_hashes: Sequence[bytes]) -> dict[str, int]:
+        """instance_id -> how many leading `block_hashes` it holds (one round trip; live
+        instances with at least one block only)."""
+        if not block_hashes:
+            return {}
+
+        async def op() -> dict[str, int]:
+            raw = await self._prefix_script(keys=[self.instances_key],
+                                            args=[self.key_prefix, *block_hashes])
+            return {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
+        return await self._call("longest_prefix", op, {})
+
+    async def held_hashes(self, instance_id: str) -> set[bytes] | None:
+        """Everything published for `instance_id` (audits and tests); None when down."""
+        async def op() -> set[bytes]:
+            return set(await self._redis.smembers(self.held_key(instance_id)))
+        return await self._call("held_hashes", op, None)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    # -- failure handling -------------------------------------------------------------------
+
+    async def _call(self, what: str, op: Callable[[], Awaitable[T]], fallback: T) -> T:
+        now = time.monotonic()
+        if not self.is_up and now < self._retry_at:
+            return fallback
+        try:
+            result = await op()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            if self.is_up:
+                logger.warning("Redis at %s is unreachable (%s: %s); serving without the prefix "
+                               "index, retrying with backoff", self.redis_url, what, e)
+            self.is_up = False
+            self._backoff = min(max(self._backoff * 2, 0.1), self.max_backoff)
+            self._retry_at = time.monotonic() + self._backoff
+            return fallback
+        except RedisError as e:
+            logger.warning("Redis %s failed: %s", what, e)
+            return fallback
+        if not self.is_up:
+            logger.info("Redis at %s is reachable again", self.redis_url)
+            self.is_up = True
+        self._backoff = 0.0
+        return result

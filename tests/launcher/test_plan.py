@@ -1,0 +1,135 @@
+"""The launch plan without starting anything: core split, ports, and command lines that the
+real `pdserve serve` parsers accept with the values the launcher meant."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from services.launcher.config import add_up_args, config_from_args
+from services.launcher.cores import distribute, format_cores, split_cores
+from services.launcher.plan import build_plan, child_env, engine_flags
+from services.launcher.up import curl_line
+from shared.cli import build_parser
+from shared.engine_args import EngineArgs
+
+
+def _config(*argv: str):
+    return config_from_args(build_parser().parse_args(["up", *argv]))
+
+
+@pytest.mark.parametrize("cores,n_p,n_d,prefill,decode", [
+    ((0, 1), 1, 1, [(0,)], [(1,)]),
+    (tuple(range(8)), 1, 1, [(0, 1, 2, 3)], [(4, 5, 6, 7)]),
+    (tuple(range(8)), 2, 1, [(0, 1, 2), (3, 4)], [(5, 6, 7)]),
+    ((0, 1), 2, 2, [(0,), (0,)], [(1,), (1,)]),
+    ((0,), 1, 1, [(0,)], [(0,)]),
+    ((0, 1, 2), 1, 1, [(0, 1)], [(2,)]),
+])
+def test_split_cores(cores, n_p, n_d, prefill, decode):
+    split = split_cores(cores, n_p, n_d)
+    assert (split.prefill, split.decode) == (prefill, decode)
+
+
+def test_split_cores_overrides():
+    assert split_cores(range(4), 1, 1, prefill_cores=(0, 1, 2)).decode == [(3,)]
+    assert split_cores(range(4), 1, 2, decode_cores=(2, 3)) == ([(0, 1)], [(2,), (3,)])
+    assert split_cores(range(2), 1, 1, prefill_cores=(0, 1)).decode == [(0, 1)]
+
+
+def test_distribute_and_format():
+    assert distribute((0, 1, 2, 3, 4), 2) == [(0, 1, 2), (3, 4)]
+    assert distribute((), 2) == [(), ()]
+    assert format_cores((0, 1, 2, 5, 7, 8)) == "0-2,5,7-8"
+    assert format_cores((3,)) == "3"
+
+
+def test_engine_flags_round_trip_through_the_engine_parser():
+    import argparse
+
+    args = EngineArgs(model="/m", max_model_len=1024, kv_cache_memory="256MiB",
+                      enable_prefix_caching=False, max_num_seqs=8, block_size=32)
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    assert EngineArgs.from_cli_args(p.parse_args(engine_flags(args))) == args
+
+
+def test_plan_on_two_cores(monkeypatch):
+    monkeypatch.setenv("PDSERVE_INSTANCE_ID", "would-collide")
+    config = _config("--port", "18000", "--cpu-cores", "0-1", "--api-key", "sk-test",
+                     "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+                     "--no-enable-prefix-caching", "--max-num-seqs", "8", "--block-size", "32",
+                     "--shutdown-timeout", "20")
+    plan = build_plan(config, "/models/m", "m", python="python")
+    names = [c.name for c in plan.children]
+    assert names == ["redis", "prefill-0", "decode-0", "gateway"]
+    ports = [p for c in plan.children for p in c.ports]
+    assert len(ports) == len(set(ports)) == 6
+    assert plan.gateway_url == "http://127.0.0.1:18000"
+    assert [c.cores for c in plan.children] == [(), (0,), (1,), ()]
+    assert all("sk-test" not in " ".join(c.argv) for c in plan.children)
+    assert plan.children[-1].env == {"PDSERVE_API_KEY": "sk-test"}
+    assert "PDSERVE_INSTANCE_ID" not in child_env({"PDSERVE_INSTANCE_ID": "x", "PATH": "/b"})
+
+    parser = build_parser()
+    prefill, decode = plan.children[1], plan.children[2]
+    for spec, role in ((prefill, "prefill"), (decode, "decode")):
+        assert spec.argv[:3] == ("python", "-m", "shared.cli")
+        ns = parser.parse_args(list(spec.argv[3:]))
+        assert (ns.command, ns.serve_role) == ("serve", role)
+        assert ns.host == "127.0.0.1" and ns.redis_url == plan.redis_url
+        assert (ns.port, ns.metrics_port) == spec.ports
+        assert ns.grace_period == 15.0
+        engine = EngineArgs.from_cli_args(ns)
+        assert (engine.model, engine.served_model_name, engine.max_model_len,
+                engine.kv_cache_memory, engine.enable_prefix_caching, engine.max_num_seqs,
+                engine.block_size) == ("/models/m", "m", 1024, "256MiB", False, 8, 32)
+        assert engine.cpu_cores == format_cores(spec.cores)
+
+    ns = parser.parse_args(list(plan.children[-1].argv[3:]))
+    assert ns.serve_role == "gateway"
+    assert (ns.host, ns.port, ns.model, ns.served_model_name, ns.max_model_len) == \
+        ("127.0.0.1", 18000, "/models/m", "m", 1024)
+    assert ns.prefill_url == [prefill.probe.target] and ns.decode_url == [decode.probe.target]
+    assert ns.redis_url == plan.redis_url and ns.block_size == 32
+
+
+def test_plan_with_given_ports_replicas_and_external_redis():
+    config = _config("--num-prefill", "2", "--num-decode", "3", "--prefill-port", "20000",
+                     "--decode-port", "21000", "--prefill-metrics-port", "22000",
+                     "--decode-metrics-port", "23000", "--redis-url", "redis://r:1/0",
+                     "--no-cpu-split", "--host", "0.0.0.0")
+    plan = build_plan(config, "/m", "m")
+    assert [c.name for c in plan.children] == [
+        "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "gateway"]
+    assert [c.ports for c in plan.children[:5]] == [
+        (20000, 22000), (20001, 22001), (21000, 23000), (21001, 23001), (21002, 23002)]
+    assert all("--cpu-cores" not in c.argv for c in plan.children)
+    assert plan.redis_url == "redis://r:1/0" and plan.gateway_url == "http://127.0.0.1:8000"
+    gateway = plan.children[-1].argv
+    assert gateway[gateway.index("--decode-url") + 1] == \
+        "127.0.0.1:21000,127.0.0.1:21001,127.0.0.1:21002"
+
+
+@pytest.mark.parametrize("argv,flag", [(["--num-decode", "0"], "--num-decode"),
+                                       (["--port", "70000"], "--port"),
+                                       (["--shutdown-timeout", "0"], "--shutdown-timeout")])
+def test_bad_flags_name_the_flag(argv, flag):
+    with pytest.raises(ValueError, match=flag):
+        _config(*argv)
+
+
+def test_up_parser_standalone():
+    import argparse
+
+    ns = add_up_args(argparse.ArgumentParser()).parse_args(["--model", "x"])
+    assert ns.model == "x" and ns.port == 8000 and ns.host == "127.0.0.1"
+
+
+def test_curl_line_pastes_as_is():
+    words = shlex.split(curl_line("http://h:1", "it's-a-model", "k'ey"))
+    assert words[1] == "http://h:1/v1/chat/completions"
+    assert "Authorization: Bearer k'ey" in words
+    body = json.loads(words[words.index("-d") + 1])
+    assert body["model"] == "it's-a-model" and body["messages"][0]["role"] == "user"

@@ -1,0 +1,140 @@
+"""`pdserve up` as a user runs it: a subprocess on free ports that becomes healthy, answers a
+greedy chat completion through the official `openai` client, and on SIGTERM stops every
+child process it started and closes every port it opened."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+STARTUP_TIMEOUT = 400.0
+"""Generous: the machine is shared, and two engines load the model at once on 2 cores."""
+API_KEY = "sk-launcher-test"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("redis-server") is None,
+                       reason="redis-server is not installed (apt-get install redis-server)"),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _proc_start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (tells a live process from a reused pid); None if gone
+    or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> start time of every live descendant of `root`."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    out: dict[int, str] = {}
+    todo = list(parents.get(root, []))
+    while todo:
+        pid = todo.pop()
+        start = _proc_start_time(pid)
+        if start is not None:
+            out[pid] = start
+        todo.extend(parents.get(pid, []))
+    return out
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_for(predicate, proc: subprocess.Popen, log: Path, what: str) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not predicate():
+        assert proc.poll() is None, f"pdserve up exited early:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, f"{what} timed out:\n{log.read_text()[-6000:]}"
+        time.sleep(0.5)
+
+
+def _health_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
+def test_up_serves_openai_chat_and_stops_cleanly_on_sigterm(model_path, tmp_path):
+    import openai
+
+    port = _free_port()
+    log = tmp_path / "up.log"
+    cmd = [sys.executable, "-m", "shared.cli", "up", "--port", str(port),
+           "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "8",
+           "--api-key", API_KEY, "--shutdown-timeout", "60",
+           "--startup-timeout", str(STARTUP_TIMEOUT)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for(lambda: _health_ok(url + "/health"), proc, log, "gateway /health")
+        _wait_for(lambda: "Stop with Ctrl-C." in log.read_text(), proc, log, "ready banner")
+        text = log.read_text()
+        banner = text[text.index("pdserve is ready"):]
+        ports = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", banner)}
+        assert port in ports and len(ports) == 6, banner  # gateway, redis, 2 gRPC, 2 metrics
+        assert f"curl {url}/v1/chat/completions" in banner
+        children = _descendants(proc.pid)
+        assert len(children) >= 4, children  # redis, prefill-0, decode-0, gateway
+
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=300,
+                               max_retries=0)
+        resp = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        answer = resp.choices[0].message.content
+        assert "Paris" in answer, answer
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0,
+                          timeout=60).models.list()
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=180) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its children die with it (PR_SET_PDEATHSIG)
+            proc.wait()
+    left = {pid for pid, start in children.items() if _proc_start_time(pid) == start}
+    assert not left, f"still running after pdserve up exited: {sorted(left)}"
+    still_open = sorted(p for p in ports if _port_open(p))
+    assert not still_open, f"ports still open: {still_open}"
+    stopped = [line for line in log.read_text().splitlines() if "stopped:" in line]
+    assert stopped and "redis exit 0" in stopped[-1] and "prefill-0 exit 0" in stopped[-1] \
+        and "decode-0 exit 0" in stopped[-1], stopped

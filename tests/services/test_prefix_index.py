@@ -1,0 +1,114 @@
+"""PrefixIndex against a real redis-server: registration and expiry, publishing, the
+longest-prefix lookup, and behaviour while Redis is unreachable."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import pytest_asyncio
+
+from services.common.monitor import net_changes
+from shared.kv_cache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
+from shared.prefix_index import InstanceInfo, PrefixIndex
+from tests.services.helpers import free_port
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+@pytest_asyncio.fixture
+async def make_index(redis):
+    """PrefixIndex factory: one key prefix per test (the cluster's instances share the
+    server), any TTL."""
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    made: list[PrefixIndex] = []
+
+    def make(ttl: float = 60.0) -> PrefixIndex:
+        made.append(PrefixIndex(redis.url, "m", ttl=ttl, key_prefix=prefix))
+        return made[-1]
+
+    yield make
+    for idx in made:
+        await idx.close()
+
+
+@pytest_asyncio.fixture
+async def index(make_index):
+    return make_index()
+
+
+def _info(instance_id: str, role: str = "prefill", **kw) -> InstanceInfo:
+    return InstanceInfo(instance_id, role, f"{instance_id}:1", "m", **kw)
+
+
+async def test_register_is_the_heartbeat_and_registrations_expire(index, make_index):
+    assert await index.register(_info("p1", num_running=3)) is True
+    assert await index.register(_info("p1", num_running=4)) is False
+    assert await index.register(_info("d1", role="decode")) is True
+    live = await index.live_instances()
+    assert {i.instance_id for i in live} == {"p1", "d1"}
+    assert [i.num_running for i in live if i.instance_id == "p1"] == [4]
+    assert [i.instance_id for i in await index.live_instances("decode")] == ["d1"]
+    short = make_index(ttl=0.3)
+    await short.register(_info("p2"))
+    await short.publish("p2", H[:2], [])
+    await asyncio.sleep(0.6)  # > ttl without a heartbeat: everything of p2's is gone
+    assert {i.instance_id for i in await index.live_instances()} == {"p1", "d1"}
+    assert await index.held_hashes("p2") == set()
+    assert await short.register(_info("p2")) is True  # the owner must republish
+
+
+async def test_publish_republish_and_unregister(index):
+    await index.register(_info("p1"))
+    assert await index.publish("p1", H[:4], [])
+    assert await index.publish("p1", [H[4]], [H[1]])
+    assert await index.held_hashes("p1") == {H[0], H[2], H[3], H[4]}
+    assert await index.republish("p1", [H[5], H[6]])
+    assert await index.held_hashes("p1") == {H[5], H[6]}
+    assert await index.unregister("p1")
+    assert await index.held_hashes("p1") == set()
+    assert await index.live_instances() == []
+
+
+async def test_longest_prefix_counts_leading_blocks_of_live_instances(index, make_index):
+    for instance_id, held in (("a", H[:5]), ("b", [H[0], H[1], H[3]]), ("c", H[1:4])):
+        await index.register(_info(instance_id))
+        await index.publish(instance_id, held, [])
+    short = make_index(ttl=0.3)
+    await short.register(_info("dead"))
+    await short.publish("dead", H, [])
+    await asyncio.sleep(0.6)  # "dead" misses its heartbeat
+    # c holds no first block; b stops at its gap; a holds five.
+    assert await index.longest_prefix(H[:6]) == {"a": 5, "b": 2}
+    assert await index.longest_prefix([]) == {}
+
+
+async def test_unreachable_redis_answers_at_once_and_logs_once(caplog):
+    idx = PrefixIndex(f"redis://127.0.0.1:{free_port()}/0", "m", socket_timeout=0.5,
+                      max_backoff=0.2)
+    caplog.set_level(logging.INFO, logger="shared.prefix_index")
+    for _ in range(5):
+        assert await idx.register(_info("p1")) is None
+        assert await idx.publish("p1", H[:1], []) is False
+        assert await idx.longest_prefix(H[:2]) == {}
+        assert await idx.live_instances() == []
+    assert not idx.is_up
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
+    await idx.close()
+
+
+def test_net_changes_keeps_the_last_event_per_hash():
+    events = [BlockStored([H[0], H[1]]), BlockRemoved([H[0]]), BlockStored([H[2]]),
+              AllBlocksCleared([H[1], H[2]]), BlockStored([H[1]])]
+    added, removed = net_changes(events)
+    assert added == [H[1]] and sorted(removed) == [H[0], H[2]]
+
+
+def test_instance_info_json_round_trip():
+    info = _info("p1", num_running=2, num_waiting=1, kv_usage=0.25, block_size=32)
+    assert InstanceInfo.from_json(info.to_json()) == info
+    # Unknown fields (a newer instance) are ignored.
+    assert InstanceInfo.from_json(info.to_json()[:-1] + ',"extra":1}') == info
+

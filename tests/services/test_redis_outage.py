@@ -1,0 +1,57 @@
+"""Redis goes away in the middle of a run: requests keep succeeding; once it is back (empty,
+as after a restart) each instance republishes and the index matches its cache again."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from shared.proto import engine_pb2 as pb
+from tests.services.helpers import cached_hashes, greedy, index_matches, run_split
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randrange(40, 90))]
+            for _ in range(count)]
+
+
+async def test_requests_survive_a_redis_outage_and_the_index_recovers(cluster, redis):
+    results = await asyncio.gather(*(run_split(cluster, f"before-{i}", p, greedy(6))
+                                     for i, p in enumerate(_prompts(1, 4))))
+    assert all(r.finish_reason == pb.FINISH_REASON_LENGTH for r in results)
+    assert await index_matches(cluster)
+
+    redis.stop()
+    results = await asyncio.gather(*(run_split(cluster, f"during-{i}", p, greedy(6))
+                                     for i, p in enumerate(_prompts(2, 6))))
+    assert all(len(r.token_ids) == 6 for r in results)
+    # The index answers at once with "nothing known" rather than hanging.
+    assert await cluster.index.longest_prefix([b"\0" * 16]) == {}
+    assert await cluster.index.live_instances() == []
+    assert not cluster.prefill.index.is_up or not cluster.decode.index.is_up
+
+    redis.start()  # same port, no data: as after a crash
+    for runtime in cluster.runtimes:
+        assert await cached_hashes(runtime), "nothing to republish: the check would be void"
+    assert await index_matches(cluster)
+    live = await _wait_live(cluster, 2)
+    assert {i.instance_id for i in live} == {r.identity.instance_id for r in cluster.runtimes}
+    results = await asyncio.gather(*(run_split(cluster, f"after-{i}", p, greedy(6))
+                                     for i, p in enumerate(_prompts(3, 2))))
+    assert all(len(r.token_ids) == 6 for r in results)
+    assert await index_matches(cluster)
+
+
+async def _wait_live(cluster, count: int, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        live = await cluster.index.live_instances()
+        if len(live) >= count or time.monotonic() > deadline:
+            return live
+        await asyncio.sleep(0.1)
