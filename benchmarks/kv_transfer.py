@@ -151,9 +151,9 @@ async def bench_fetch(prefill_port: int, prompt_tokens: int, repeats: int) -> di
         raw = spawn([__file__, "--raw-server", str(raw_port),
                      "--sizes", ",".join(map(str, sizes))])
         try:
-            await asyncio.sleep(1.0)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{raw_port}",
                                                  options=OPTIONS) as raw_ch:
+                await asyncio.wait_for(raw_ch.channel_ready(), 120)  # the process starts
                 raw_stub = engine_pb2_grpc.PrefillServiceStub(raw_ch)
 
                 def raw_fetch():

@@ -23,7 +23,8 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
 
         with _LOAD_LOCK:
             configs = engine_args.create_engine_configs()
-            core = EngineCore(*configs, hold_finished_blocks=role == "prefill")
+            core = EngineCore(*configs, hold_finished_blocks=role == "prefill",
+                              enable_kv_cache_events=True)
             return core, get_tokenizer(configs[0].model_path).eos_token_id
     return load
 

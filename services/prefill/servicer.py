@@ -16,6 +16,7 @@ from services.common.convert import (
 from services.common.errors import abort_with
 from services.common.server import ServiceRuntime
 from services.prefill.worker import PrefillWorker
+from shared.kv_transfer.codec import KVChunkData
 from shared.proto import engine_pb2 as pb
 from shared.proto import engine_pb2_grpc
 
@@ -63,13 +64,17 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
         # client cancels, CancelledError lands in this frame and `aclosing` ends the stream
         # (and its pin bookkeeping) at once, instead of whenever the generator is collected.
         rid = request.request_id
+
+        def encode(c: KVChunkData) -> pb.KVChunk:  # runs in the worker's gather thread
+            return pb.KVChunk(request_id=rid, block_indices=c.block_indices, dtype=c.dtype,
+                              shape=c.shape, data=c.data, layer_start=c.layer_start)
+
         try:
             worker = self._worker()
-            async with aclosing(worker.fetch_kv(rid, list(request.block_indices))) as chunks:
-                async for c in chunks:
-                    await context.write(pb.KVChunk(
-                        request_id=rid, block_indices=c.block_indices, dtype=c.dtype,
-                        shape=c.shape, data=c.data, layer_start=c.layer_start))
+            async with aclosing(worker.fetch_kv(rid, list(request.block_indices),
+                                                encode)) as messages:
+                async for message in messages:
+                    await context.write(message)
         except Exception as e:
             await abort_with(context, e, rid, "FetchKV")
 

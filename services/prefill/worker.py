@@ -17,9 +17,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -69,6 +69,16 @@ def _held_blocks_op(engine: EngineCore, request: Request) -> tuple[list[int], li
     return kv.get_block_ids(request.request_id), kv.get_block_hashes(request)[:num_full]
 
 
+def _same(chunk: KVChunkData) -> KVChunkData:
+    return chunk
+
+
+def _next_encoded(chunks: Iterator[KVChunkData],
+                  encode: Callable[[KVChunkData], Any]) -> tuple[KVChunkData, Any] | None:
+    chunk = next(chunks, None)
+    return None if chunk is None else (chunk, encode(chunk))
+
+
 def client_finish_reason(request: Request, params: SamplingParams,
                          max_model_len: int) -> FinishReason | None:
     """Whether the client's request ends with its first token (the engine ran max_tokens=1)."""
@@ -102,7 +112,9 @@ class PrefillWorker(EngineWorker):
             ValueError: a bad prompt (the engine's message).
             ServiceError: ALREADY_EXISTS (request id in use), ABORTED (Abort came first).
         """
-        if request_id in self._in_flight or request_id in self._pins:
+        # NOTE: ids are per instance: a stale pin of the same id would free our blocks.
+        if request_id in self._in_flight or request_id in self._pins \
+                or request_id in self._closing:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request {request_id!r} is already prefilled or in progress")
         # NOTE: min_tokens is capped, not dropped: min_tokens >= 1 still bans EOS / stop ids
@@ -152,9 +164,10 @@ class PrefillWorker(EngineWorker):
 
     # -- FetchKV / ReleaseKV / Abort ---------------------------------------------------------
 
-    async def fetch_kv(self, request_id: str,
-                       block_indices: list[int]) -> AsyncIterator[KVChunkData]:
-        """Stream the pinned KV of `block_indices` (all blocks when empty).
+    async def fetch_kv(self, request_id: str, block_indices: list[int],
+                       encode: Callable[[KVChunkData], Any] = _same) -> AsyncIterator[Any]:
+        """Stream the pinned KV of `block_indices` (all blocks when empty), as
+        `encode(chunk)` for each chunk (the servicer's proto message).
 
         Raises:
             ServiceError: NOT_FOUND (no pin: never prefilled, released, aborted or expired),
@@ -180,20 +193,22 @@ class PrefillWorker(EngineWorker):
         start = time.monotonic()
         chunks = encode_kv_blocks(self.engine.engine.model_runner.kv_caches, pin.block_ids,
                                   indices, self.config.kv_chunk_bytes)
-        # NOTE: the next chunk is gathered in a worker thread (torch drops the GIL) while
-        # gRPC sends this one. Reading pinned blocks off the engine thread is safe: nothing
-        # writes a block while a request holds it, and full blocks are never rewritten.
-        pending = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+        # NOTE: the next chunk is gathered and encoded in a worker thread (torch and the
+        # copies drop the GIL) while gRPC sends this one. Reading pinned blocks off the engine
+        # thread is safe: nothing writes a block while a request holds it, and full blocks
+        # are never rewritten.
+        pending = asyncio.ensure_future(asyncio.to_thread(_next_encoded, chunks, encode))
         try:
-            while (chunk := await pending) is not None:
-                pending = asyncio.ensure_future(asyncio.to_thread(next, chunks, None))
+            while (item := await pending) is not None:
+                pending = asyncio.ensure_future(asyncio.to_thread(_next_encoded, chunks, encode))
                 if pin.closed:
                     raise ServiceError(grpc.StatusCode.ABORTED,
                                        f"request {request_id!r} was released or aborted during "
                                        "the transfer")
+                chunk, message = item
                 done = chunk.layer_start + chunk.shape[0] == self.layout.num_layers
                 self.metrics.kv_sent(len(chunk.block_indices) if done else 0, len(chunk.data))
-                yield chunk
+                yield message
             self.metrics.kv_transfer(time.monotonic() - start)
         finally:
             # NOTE: no await before the bookkeeping: a cancelled RPC can be cancelled again

@@ -38,7 +38,8 @@ def apply_cpu_placement(parallel_config: ParallelConfig) -> None:
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
-                 hold_finished_blocks: bool = False) -> None:
+                 hold_finished_blocks: bool = False,
+                 enable_kv_cache_events: bool = False) -> None:
         apply_cpu_placement(parallel_config)
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, parallel_config)
@@ -46,7 +47,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             self.num_gpu_blocks, cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
-            model_name=model_config.served_model_name)
+            model_name=model_config.served_model_name,
+            # NOTE: only services drain take_events() (for the Redis index); an offline
+            # engine would accumulate them forever.
+            enable_kv_cache_events=enable_kv_cache_events)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
                                    hold_finished_blocks=hold_finished_blocks)
         logger.info("engine ready: %d KV blocks of %d tokens, max_num_seqs=%d, "

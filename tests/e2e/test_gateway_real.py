@@ -1,0 +1,166 @@
+"""End-to-end: the real gateway (uvicorn, official `openai` client) in front of real prefill
+and decode services (issue 4's acceptance): offline parity, D11 batch invariance, D10
+disconnect cleanup, cached_tokens, and a malformed request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import openai
+import pytest
+
+from tests.e2e.conftest import PARITY_CASES, PARITY_MAX_TOKENS
+from tests.services.gateway.conftest import SERVED_MODEL
+from tests.services.helpers import get_states
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+WORDS = ("river mountain lantern violet copper harbor meadow silent orange falcon thunder "
+         "garden pencil winter marble candle shadow forest bridge ocean velvet engine "
+         "planet whisper ladder compass saddle mirror basket cobalt tunnel village").split()
+
+
+def filler(tokenizer, n_tokens: int, seed: int) -> str:
+    """Text of about `n_tokens` tokens (exact after the gateway's re-tokenization +- 1)."""
+    rng = random.Random(seed)
+    text = " ".join(rng.choice(WORDS) for _ in range(n_tokens))
+    ids = tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+async def chat(client, messages, max_tokens, **kw):
+    return await client.chat.completions.create(model=SERVED_MODEL, messages=messages,
+                                                max_tokens=max_tokens, temperature=0, **kw)
+
+
+async def chat_streamed(client, messages, max_tokens) -> tuple[str, int, str | None]:
+    stream = await client.chat.completions.create(
+        model=SERVED_MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    text, usage, finish = [], None, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert usage is not None
+    return "".join(text), usage.completion_tokens, finish
+
+
+async def test_greedy_chat_equals_offline_llm(real_gateway, offline_answers):
+    client = real_gateway.client
+    for messages, ref in zip(PARITY_CASES, offline_answers, strict=True):
+        resp = await chat(client, messages, PARITY_MAX_TOKENS)
+        choice = resp.choices[0]
+        assert choice.message.content == ref.text
+        assert resp.usage.completion_tokens == len(ref.token_ids)
+        assert choice.finish_reason == ref.finish_reason
+        text, n, finish = await chat_streamed(client, messages, PARITY_MAX_TOKENS)
+        assert (text, n, finish) == (ref.text, len(ref.token_ids), ref.finish_reason)
+
+
+SWIM = [{"role": "user", "content": "Give three reasons to learn to swim."}]
+
+
+async def test_d11_greedy_answer_independent_of_batch(real_gateway, tokenizer):
+    client = real_gateway.client
+
+    def key(resp):
+        return (resp.choices[0].message.content, resp.usage.completion_tokens,
+                resp.choices[0].finish_reason)
+
+    alone = key(await chat(client, SWIM, 64))
+    assert alone[0] and alone[1] > 0
+
+    copies = await asyncio.gather(*(chat(client, SWIM, 64) for _ in range(8)))
+    assert [key(r) for r in copies] == [alone] * 8
+
+    lengths = [3, 10, 30, 80, 200, 400, 800, 1500]
+    others = [[{"role": "user", "content": filler(tokenizer, n, seed=n)}] for n in lengths]
+    tasks = [chat(client, SWIM, 64) for _ in range(8)]
+    tasks += [chat(client, m, 16) for m in others]
+    order = list(range(16))
+    random.Random(0).shuffle(order)  # interleave copies and others as they are sent
+    shuffled = await asyncio.gather(*(tasks[i] for i in order))
+    results = [None] * 16
+    for pos, i in enumerate(order):
+        results[i] = shuffled[pos]
+    assert [key(r) for r in results[:8]] == [alone] * 8
+    # the others really were long: the longest prompt is about 1,500 tokens
+    assert max(r.usage.prompt_tokens for r in results[8:]) >= 1500
+
+
+def idle(state, baseline) -> bool:
+    return (state.num_running == 0 and state.num_waiting == 0
+            and state.num_used_blocks <= baseline.num_used_blocks
+            and state.num_pinned_blocks <= baseline.num_pinned_blocks)
+
+
+async def test_d10_disconnect_frees_both_services(real_gateway, real_cluster, tokenizer):
+    client = real_gateway.client
+    baseline = await get_states(real_cluster)
+    assert all(s.invariants_ok for s in baseline), baseline
+
+    async def open_and_read_one(i):
+        # max_tokens 1800, not 2000: a ~200-token prompt + 2000 is over max_model_len 2048
+        stream = await client.completions.create(
+            model=SERVED_MODEL, prompt=filler(tokenizer, 200, seed=1000 + i), max_tokens=1800,
+            temperature=0.8, stream=True)
+        async for _ in stream:
+            break
+        return stream
+
+    streams = await asyncio.gather(*(open_and_read_one(i) for i in range(8)))
+    during = await get_states(real_cluster)
+    assert during[1].num_running + during[1].num_waiting > 0  # really still generating
+    for s in streams:
+        await s.close()
+    t0 = time.monotonic()
+    while True:
+        states = await get_states(real_cluster)
+        elapsed = time.monotonic() - t0
+        if all(idle(s, b) for s, b in zip(states, baseline, strict=True)) or elapsed > 5:
+            break
+        await asyncio.sleep(0.02)
+    assert all(idle(s, b) for s, b in zip(states, baseline, strict=True)), states
+    assert all(s.invariants_ok for s in states), states
+    assert elapsed <= 1.0, f"services freed the requests only after {elapsed:.2f} s"
+
+    probe = await client.completions.create(model=SERVED_MODEL,
+                                            prompt="The capital of France is",
+                                            max_tokens=8, temperature=0)
+    assert probe.usage.completion_tokens == 8 or probe.choices[0].finish_reason == "stop"
+    assert probe.choices[0].text
+
+
+async def test_usage_reports_cached_tokens(real_gateway, tokenizer):
+    client = real_gateway.client
+    prompt = filler(tokenizer, 410, seed=4242)
+    first = await client.completions.create(model=SERVED_MODEL, prompt=prompt, max_tokens=4,
+                                            temperature=0)
+    second = await client.completions.create(model=SERVED_MODEL, prompt=prompt, max_tokens=4,
+                                             temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens >= 400
+    first_cached = (first.usage.prompt_tokens_details.cached_tokens
+                    if first.usage.prompt_tokens_details else 0)
+    assert (first_cached or 0) < 16
+    assert second.usage.prompt_tokens_details.cached_tokens >= 384
+    assert second.choices[0].text == first.choices[0].text
+
+
+async def test_malformed_request_gets_400_then_service_works(real_gateway):
+    client = real_gateway.client
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(model=SERVED_MODEL, prompt="Hello", max_tokens=-1)
+    assert info.value.status_code == 400
+    body = info.value.response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    r = await real_gateway.http.post("/v1/chat/completions", json={
+        "model": SERVED_MODEL, "messages": SWIM, "max_tokens": "many"})
+    assert r.status_code == 400 and "error" in r.json()
+    ok = await chat(client, SWIM, 8)
+    assert ok.choices[0].message.content and ok.usage.completion_tokens == 8
