@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+DEFAULT_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)
+"""Largest KV payload per KVChunk: under gRPC's default 4 MiB with room for the header."""
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.kv_transfer.codec import DEFAULT_MAX_CHUNK_BYTES
+from shared.config import DEFAULT_MAX_CHUNK_BYTES
 
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS = {"prefill": (50051, 9051), "decode": (50052, 9052)}

@@ -25,10 +25,10 @@ from typing import NamedTuple
 
 import torch
 
+from shared.config import DEFAULT_MAX_CHUNK_BYTES  # re-exported: the per-chunk payload cap
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)
-"""4 MiB less room for the message's other fields: the default gRPC receive limit."""
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
