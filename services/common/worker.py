@@ -55,18 +55,16 @@ def stats_op(engine: EngineCore) -> EngineStats:
         num_used_blocks=pool.num_gpu_blocks - 1 - num_free)
 
 
-def check_invariants_op(engine: EngineCore, owned: set[str]) -> str:
-    """"" when the KV cache manager's invariants hold and every request holding blocks is
-    the scheduler's or in `owned` (the worker's); else the first broken one."""
+def check_invariants_op(engine: EngineCore, owned: set[str]) -> tuple[str, list[str]]:
+    """("", []) when the KV cache manager's invariants hold and every request holding blocks
+    is the scheduler's or in `owned` (the worker's); else the broken invariant, or "" and
+    the ids of the requests holding blocks that nothing owns."""
     kv = engine.kv_cache_manager
     try:
         kv.check_invariants()
     except AssertionError as e:
-        return str(e) or "AssertionError"
-    orphans = sorted(set(kv.req_to_blocks) - set(engine.scheduler.requests) - owned)
-    if orphans:
-        return f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
-    return ""
+        return str(e) or "AssertionError", []
+    return "", sorted(set(kv.req_to_blocks) - set(engine.scheduler.requests) - owned)
 
 
 def free_unscheduled_op(engine: EngineCore, request: Request) -> None:
@@ -134,9 +132,16 @@ class EngineWorker:
     # -- shared ------------------------------------------------------------------------------
 
     async def get_state(self, check_invariants: bool = False) -> EngineState:
+        # NOTE: ownership moves between the engine thread and this loop (a request finishes
+        # there, its pin is recorded here), so a request counts as owned if the worker
+        # owned it just before or just after the check ran.
         owned = self.owned_request_ids()
-        stats, error = await self.engine.call(
-            lambda e: (stats_op(e), check_invariants_op(e, owned) if check_invariants else ""))
+        stats, (error, orphans) = await self.engine.call(
+            lambda e: (stats_op(e),
+                       check_invariants_op(e, owned) if check_invariants else ("", [])))
+        orphans = [r for r in orphans if r not in self.owned_request_ids()]
+        if orphans and not error:
+            error = f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
         return EngineState(
             instance_id=self.identity.instance_id, role=self.role, model=self.model_name,
             num_gpu_blocks=stats.num_gpu_blocks, num_free_blocks=stats.num_free_blocks,

@@ -102,7 +102,7 @@ def idle(state, baseline) -> bool:
 async def test_d10_disconnect_frees_both_services(real_gateway, real_cluster, tokenizer):
     client = real_gateway.client
     baseline = await get_states(real_cluster)
-    assert all(s.invariants_ok for s in baseline), baseline
+    assert all(s.invariants_ok for s in baseline), [s.invariants_error for s in baseline]
 
     async def open_and_read_one(i):
         # max_tokens 1800, not 2000: a ~200-token prompt + 2000 is over max_model_len 2048
