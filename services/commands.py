@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 def add_service_commands(sub) -> None:
     from services.common.config import add_service_args
+    from services.gateway.config import add_cli_args as add_gateway_args
     from shared.engine_args import EngineArgs
 
     serve = sub.add_parser("serve", help="run one service of the split engine")
@@ -27,15 +28,9 @@ def add_service_commands(sub) -> None:
         add_service_args(p, role)  # type: ignore[arg-type]
         EngineArgs.add_cli_args(p)
         p.set_defaults(func=_cmd_serve)
-    try:
-        from services.gateway.config import add_cli_args as add_gateway_args
-    except ImportError:
-        pass
-    else:
-        p = roles.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
-        add_gateway_args(p)
-        p.set_defaults(func=_cmd_serve_gateway)
-
+    p = roles.add_parser("gateway", help="the OpenAI-compatible HTTP gateway")
+    add_gateway_args(p)
+    p.set_defaults(func=_cmd_serve_gateway)
     p = sub.add_parser("healthcheck", help="exit 0 when a service answers SERVING")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--address", help="host:port of a prefill or decode gRPC server")

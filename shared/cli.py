@@ -76,20 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_service_commands(sub) -> None:
-    """Hook for the services (serve, up, healthcheck); they register lazily."""
-    try:
-        from services.commands import add_service_commands
-    except ImportError:
-        return
+    """The services' subcommands (serve, healthcheck); they import their modules lazily."""
+    from services.commands import add_service_commands
+
     add_service_commands(sub)
 
 
 def _add_up_command(sub) -> None:
     """`pdserve up`: the local launcher (services/launcher/)."""
-    try:
-        from services.launcher.cli import add_up_command
-    except ImportError:
-        return
+    from services.launcher.cli import add_up_command
+
     add_up_command(sub)
 
 
