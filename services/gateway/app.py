@@ -61,7 +61,8 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
     """The gateway app. `backend` and `registry` are injectable (tests, other transports);
     by default gRPC channels to the configured instances and the Redis prefix index."""
     tokenizer = GatewayTokenizer(load_tokenizer(config.model_path))
-    backend = backend or EngineBackend(config.request_timeout, config.rpc_timeout)
+    backend = backend or EngineBackend(config.request_timeout, config.rpc_timeout,
+                                       config.internal_token)
     owned_registry = _connect_registry(config) if registry is None else None
     registry = registry if registry is not None else owned_registry
     placer = Placer(config.prefill_urls, config.decode_urls, registry,

@@ -44,9 +44,12 @@ class EngineBackend:
     GetState) instances by address. Fire-and-forget calls (Abort, ReleaseKV) are tracked so
     `close()` can let them finish."""
 
-    def __init__(self, request_timeout: float = 600.0, rpc_timeout: float = 5.0) -> None:
+    def __init__(self, request_timeout: float = 600.0, rpc_timeout: float = 5.0,
+                 internal_token: str | None = None) -> None:
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
+        self._auth: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {internal_token}"),) if internal_token else ())
         self._channels: dict[str, _Channel] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -62,9 +65,8 @@ class EngineBackend:
                 engine_pb2_grpc.DecodeServiceStub(channel), health_pb2_grpc.HealthStub(channel))
         return ch
 
-    @staticmethod
-    def _metadata(request_id: str) -> tuple[tuple[str, str], ...]:
-        return (("x-request-id", request_id),)
+    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        return (("x-request-id", request_id),) + self._auth
 
     async def prefill(self, address: str, request: engine_pb2.PrefillRequest,
                       request_id: str) -> engine_pb2.PrefillResponse:
@@ -79,7 +81,8 @@ class EngineBackend:
 
     async def get_state(self, address: str, role: str) -> engine_pb2.EngineState:
         stub = self._get(address).prefill if role == "prefill" else self._get(address).decode
-        return await stub.GetState(engine_pb2.GetStateRequest(), timeout=self.rpc_timeout)
+        return await stub.GetState(engine_pb2.GetStateRequest(), timeout=self.rpc_timeout,
+                                   metadata=self._auth)
 
     async def is_serving(self, address: str) -> bool:
         """grpc.health.v1 Check of the whole server ("" service)."""

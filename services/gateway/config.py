@@ -43,6 +43,23 @@ class GatewayConfig:
     block_size: int = 16
     """KV block size for routing hashes when the backends do not report theirs."""
     log_level: str = "info"
+    # ---- reliability (docs/reliability.md)
+    max_request_retries: int = 2
+    """Failovers one engine request may use (decode stream broken, prefill failed)."""
+    health_check_interval: float = 1.0
+    """Seconds between the gateway's grpc.health checks of every known instance."""
+    max_num_queued_requests: int = 256
+    """Engine requests the gateway admits beyond those running; 429 above (0: no limit)."""
+    max_queued_tokens: int = 0
+    """Prompt + max_tokens of the admitted but not running requests; 429 above (0: no limit)."""
+    max_logprobs: int = 20
+    """Largest `logprobs` / `top_logprobs` a request may ask for (as vLLM)."""
+    max_stop_strings: int = 32
+    """Most stop strings one request may give."""
+    max_stop_string_length: int = 512
+    """Longest stop string, characters."""
+    internal_token: str | None = None
+    """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
 
     @property
     def has_backends(self) -> bool:
@@ -86,6 +103,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-body-size", type=int, default=int(_env("max_body_size", 16 << 20)))
     g.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
     g.add_argument("--log-level", default=_env("log_level", "info"))
+    g = parser.add_argument_group("reliability")
+    g.add_argument("--max-request-retries", type=int,
+                   default=int(_env("max_request_retries", 2)),
+                   help="failovers one engine request may use")
+    g.add_argument("--health-check-interval", type=float,
+                   default=float(_env("health_check_interval", 1.0)),
+                   help="seconds between health checks of the instances")
+    g.add_argument("--max-num-queued-requests", type=int,
+                   default=int(_env("max_num_queued_requests", 256)),
+                   help="queued engine requests before 429 (0: no limit)")
+    g.add_argument("--max-queued-tokens", type=int, default=int(_env("max_queued_tokens", 0)),
+                   help="queued prompt + max_tokens before 429 (0: no limit)")
+    g.add_argument("--max-logprobs", type=int, default=int(_env("max_logprobs", 20)))
+    g.add_argument("--max-stop-strings", type=int, default=int(_env("max_stop_strings", 32)))
+    g.add_argument("--max-stop-string-length", type=int,
+                   default=int(_env("max_stop_string_length", 512)))
+    g.add_argument("--internal-token", default=_env("internal_token", None),
+                   help="shared secret the prefill and decode services require")
     return parser
 
 
@@ -110,4 +145,10 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         redis_url=ns.redis_url or None, api_key=ns.api_key or None,
         local_prefill_threshold=ns.local_prefill_threshold,
         request_timeout=ns.request_timeout, rpc_timeout=ns.rpc_timeout,
-        max_body_size=ns.max_body_size, block_size=ns.block_size, log_level=ns.log_level)
+        max_body_size=ns.max_body_size, block_size=ns.block_size, log_level=ns.log_level,
+        max_request_retries=ns.max_request_retries,
+        health_check_interval=ns.health_check_interval,
+        max_num_queued_requests=ns.max_num_queued_requests,
+        max_queued_tokens=ns.max_queued_tokens, max_logprobs=ns.max_logprobs,
+        max_stop_strings=ns.max_stop_strings, max_stop_string_length=ns.max_stop_string_length,
+        internal_token=ns.internal_token or None)
