@@ -27,11 +27,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
-# Tried in order: vectorized expf from libmvec needs -ffast-math; the last set is the plainest.
+# (compile flags, link flags), tried in order: vectorized expf from libmvec needs -ffast-math;
+# the last set is the plainest.
+# NOTE: -ffast-math only when compiling, never when linking: linked with it, gcc adds
+# crtfastmath.o, whose constructor turns on flush-to-zero / denormals-are-zero for the whole
+# process when the library is loaded (it broke hypothesis' float strategies, and would change
+# every other float computation in the process).
 FLAG_SETS = (
-    ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-lmvec", "-lm"),
-    ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-lm"),
-    ("-O3", "-fopenmp", "-lm"),
+    (("-O3", "-march=native", "-ffast-math", "-fopenmp"), ("-fopenmp", "-lmvec", "-lm")),
+    (("-O3", "-march=native", "-fno-math-errno", "-fopenmp"), ("-fopenmp", "-lm")),
+    (("-O3", "-fopenmp"), ("-fopenmp", "-lm")),
 )
 
 _c_int64 = ctypes.c_int64
@@ -65,13 +70,20 @@ def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> Nat
                f"-DGROUP_SIZE={group_size}")
     with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
         library = Path(build_dir) / "paged_attention_cpu.so"
-        for flags in FLAG_SETS:
-            command = [compiler, "-shared", "-fPIC", *defines, str(SOURCE), "-o", str(library),
-                       *flags]
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode == 0:
+        obj = Path(build_dir) / "paged_attention_cpu.o"
+        for compile_flags, link_flags in FLAG_SETS:
+            result = None
+            for command in (
+                    [compiler, "-c", "-fPIC", *defines, *compile_flags, str(SOURCE), "-o",
+                     str(obj)],
+                    [compiler, "-shared", str(obj), "-o", str(library), *link_flags]):
+                result = subprocess.run(command, capture_output=True, text=True, check=False)
+                if result.returncode != 0:
+                    break
+            if result is not None and result.returncode == 0:
                 break
-            logger.debug("compile failed (%s): %s", " ".join(flags), result.stderr[-2000:])
+            logger.debug("compile failed (%s): %s", " ".join(compile_flags),
+                         result.stderr[-2000:] if result else "")
         else:
             logger.warning("could not compile %s; CPU attention uses torch ops only", SOURCE)
             return None

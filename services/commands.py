@@ -5,6 +5,9 @@
     pdserve serve decode  --port 50052 --metrics-port 9052 --redis-url redis://127.0.0.1:6379 \\
         --cpu-cores 1
     pdserve healthcheck --address 127.0.0.1:50051        # exit 0 only when SERVING
+
+The services bind 127.0.0.1 unless given `--host 0.0.0.0`. SERVING means ready: loaded, not
+draining, and the engine not stalled (`--stall-timeout`).
 """
 
 from __future__ import annotations
@@ -84,7 +87,12 @@ def _cmd_healthcheck(ns: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(ns.address) as channel:
+    from shared.config import MAX_GRPC_MESSAGE_BYTES
+
+    # NOTE: grpc.health needs no internal token: probes work on a token-protected service.
+    options = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)]
+    with grpc.insecure_channel(ns.address, options=options) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)

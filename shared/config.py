@@ -7,6 +7,13 @@ from typing import Literal
 
 DEFAULT_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)
 """Largest KV payload per KVChunk: under gRPC's default 4 MiB with room for the header."""
+GRPC_MESSAGE_HEADROOM = 1 << 20
+"""Bytes above the KV payload: a KVChunk's header, and any other message (a Prefill or
+Generate request of a 200k-token prompt is ~0.8 MiB of token ids and block hashes)."""
+MAX_GRPC_MESSAGE_BYTES = DEFAULT_MAX_CHUNK_BYTES + GRPC_MESSAGE_HEADROOM
+"""gRPC max send and receive message size of every server and channel between the gateway,
+prefill and decode (~4.9 MiB): the KV chunk cap plus headroom; larger messages are refused
+with RESOURCE_EXHAUSTED before they are buffered."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,9 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: one per prompt token, the first None (vLLM's
+    `RequestOutput.prompt_logprobs`, with TokenLogprobs for its dicts)."""
 
 
 PromptType = str | list[int] | dict
@@ -112,6 +115,8 @@ class LLM:
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 stop_reason=req.stop_reason))
             out.num_cached_tokens = max(out.num_cached_tokens, req.num_cached_tokens)
+            if out.prompt_logprobs is None and req.prompt_logprobs is not None:
+                out.prompt_logprobs = list(req.prompt_logprobs)
         for out in outputs.values():
             out.outputs.sort(key=lambda c: c.index)
         return list(outputs.values())

@@ -80,6 +80,11 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | None = None
     """The stop token id that finished the request, if any."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With `sampling_params.prompt_logprobs`: one entry per prompt token, entry 0 None,
+    filled by the model runner as the prompt is computed (shared/engine/prompt_logprobs.py)."""
+    prompt_logprobs_sent: bool = False
+    """The engine core handed `prompt_logprobs` out (with the first output)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -49,7 +49,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Number of top alternatives to return per generated token (0 = chosen only)."""
     prompt_logprobs: int | None = None
-    """Number of top alternatives per prompt token (used for echo)."""
+    """Number of top alternatives per prompt token (used for echo); set, the request skips
+    the prefix cache (every prompt position needs its logits)."""
     skip_special_tokens: bool = True
     """Detokenization: drop special tokens from the returned text."""
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.config import DEFAULT_MAX_CHUNK_BYTES
+from shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
 
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS = {"prefill": (50051, 9051), "decode": (50052, 9052)}
@@ -20,7 +20,9 @@ DEFAULT_PORTS = {"prefill": (50051, 9051), "decode": (50052, 9052)}
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     role: Role
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
+    """Bind address of the gRPC and metrics servers: loopback unless told otherwise
+    (`--host 0.0.0.0` for every interface, e.g. in containers)."""
     port: int = 0
     """gRPC port; 0 picks a free one (tests)."""
     advertise_address: str = ""
@@ -41,8 +43,18 @@ class ServiceConfig:
     """Longest wait between attempts to reach an unreachable Redis, seconds."""
     grace_period: float = 10.0
     """SIGTERM: seconds in-flight requests get to finish (health NOT_SERVING meanwhile)."""
-    max_message_bytes: int = 64 << 20
-    """gRPC max send/receive message size, both ends."""
+    max_message_bytes: int = MAX_GRPC_MESSAGE_BYTES
+    """gRPC max send/receive message size, both ends (shared.config.MAX_GRPC_MESSAGE_BYTES)."""
+    internal_token: str | None = field(default=None, repr=False)
+    """If set, every PrefillService / DecodeService call must carry the gRPC metadata
+    `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); grpc.health stays open.
+    The decode service sends it on its FetchKV / ReleaseKV calls to prefill instances."""
+    stall_timeout: float = 30.0
+    """Readiness: seconds the engine may go without completing a step while it has work
+    queued before health turns NOT_SERVING (back to SERVING when steps resume); 0 disables."""
+    test_stall_file: str = ""
+    """Test hook (env PDSERVE_TEST_STALL_FILE only): while this file exists the engine thread
+    sleeps before each step that has requests to run. Empty: no hook."""
     rpc_timeout: float = 5.0
     """Deadline of small calls to other instances (ReleaseKV), seconds."""
     kv_pin_ttl: float = 30.0
@@ -54,6 +66,11 @@ class ServiceConfig:
     Generate answers RESOURCE_EXHAUSTED."""
     kv_transfer_timeout: float = 60.0
     """Decode: deadline of one FetchKV stream, seconds."""
+
+    @property
+    def stall_check_interval(self) -> float:
+        """Seconds between the stall watchdog's looks at the engine."""
+        return min(1.0, self.stall_timeout / 5)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """Explicit message limits, the same on servers and channels."""
@@ -96,7 +113,17 @@ def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.Ar
     g.add_argument("--grace-period", type=float,
                    default=float(_env("grace_period", d.grace_period)))
     g.add_argument("--max-message-bytes", type=int,
-                   default=int(_env("max_message_bytes", d.max_message_bytes)))
+                   default=int(_env("max_message_bytes", d.max_message_bytes)),
+                   help="gRPC max send/receive message size of the server and its channels")
+    g.add_argument("--internal-token", default=_env("internal_token", None),
+                   help="shared secret every PrefillService/DecodeService call must carry as "
+                        "`authorization: Bearer <token>` metadata (or PDSERVE_INTERNAL_TOKEN)")
+    g.add_argument("--stall-timeout", type=float,
+                   default=float(_env("stall_timeout", d.stall_timeout)),
+                   help="seconds without a completed engine step, with work queued, before "
+                        "health reports NOT_SERVING (0 disables)")
+    g.add_argument("--test-stall-file", default=_env("test_stall_file", ""),
+                   help=argparse.SUPPRESS)
     if role == "prefill":
         g.add_argument("--kv-pin-ttl", type=float, default=float(_env("kv_pin_ttl", d.kv_pin_ttl)),
                        help="seconds an unfetched KV handle stays pinned")
@@ -116,14 +143,25 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
               if name != "role" and hasattr(ns, name)}
     if fields.get("metrics_port") is not None and fields["metrics_port"] < 0:
         fields["metrics_port"] = None
+    if "internal_token" in fields:
+        fields["internal_token"] = fields["internal_token"] or None
     config = ServiceConfig(role=role, **fields)
     for name in ("heartbeat_interval", "registration_ttl", "kv_pin_ttl", "kv_transfer_timeout"):
         if getattr(config, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if config.registration_ttl <= config.heartbeat_interval:
         raise ValueError("--registration-ttl must exceed --heartbeat-interval")
+    if config.stall_timeout < 0:
+        raise ValueError("--stall-timeout must be >= 0")
+    if config.internal_token is not None and not _is_printable_ascii(config.internal_token):
+        raise ValueError("--internal-token must be printable ASCII (it travels as gRPC "
+                         "metadata)")
     if config.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
     if not 1 << 16 <= config.kv_chunk_bytes <= config.max_message_bytes - (64 << 10):
         raise ValueError("--kv-chunk-bytes must be in [64KiB, --max-message-bytes - 64KiB]")
     return config
+
+
+def _is_printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable() and text.strip() == text

@@ -29,12 +29,26 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty or 1.0,
         max_tokens=p.max_tokens if p.max_tokens != 0 else None,
         min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None)
+        ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
                             top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+
+
+def prompt_logprobs_to_proto(prompt_logprobs: list[TokenLogprobs | None] | None
+                             ) -> list[pb.TokenLogprobs]:
+    """The wire form: one per prompt token after the first (entry 0, None, is dropped).
+
+    Raises:
+        ValueError: an entry after the first is missing (the prompt was not fully computed).
+    """
+    rest = (prompt_logprobs or [])[1:]
+    if any(lp is None for lp in rest):
+        raise ValueError("prompt_logprobs: the engine left a prompt position without logprobs")
+    return [logprobs_to_proto(lp) for lp in rest]  # type: ignore[arg-type]
 
 
 def logprobs_from_proto(p: pb.TokenLogprobs) -> TokenLogprobs:

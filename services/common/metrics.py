@@ -82,6 +82,8 @@ class ServiceMetrics:
                                         "KV blocks received and written into the cache.")
         self._bytes_received = counter("kv_transfer_bytes_received",
                                        "KV payload bytes received.")
+        self._redis_up = gauge("redis_up", "1 while the Redis prefix index is reachable, 0 "
+                               "while serving without it (absent without --redis-url).")
         self._transfer_seconds = histogram("kv_transfer_seconds", "Duration of one KV transfer.",
                                            _TRANSFER_BUCKETS)
         self._model = model_name
@@ -105,6 +107,9 @@ class ServiceMetrics:
             if value > (before or 0):
                 self._l(metric).inc(value - (before or 0))
         self._last = s
+
+    def redis_up(self, up: bool) -> None:
+        self._l(self._redis_up).set(1 if up else 0)
 
     def request_finished(self, reason: str, num_prompt_tokens: int, num_generated: int,
                          e2e_seconds: float) -> None:

@@ -5,7 +5,8 @@ BlockRemoved / AllBlocksCleared) and snapshots the stats; the events' net effect
 published to this instance's held set. Every `heartbeat_interval` the registration is
 refreshed. When Redis was unreachable (events were dropped) or lost our keys (restart,
 TTL lapsed) the monitor republishes the whole hash map, snapshotted on the engine thread
-together with the event drain so that nothing falls between the two.
+together with the event drain so that nothing falls between the two. The `pdserve_redis_up`
+gauge follows the index's connection state after every tick and heartbeat.
 """
 
 from __future__ import annotations
@@ -86,12 +87,16 @@ class InstanceMonitor:
                                               self.worker.num_pending())
             if self.index is None:
                 return
-            if self.dirty:
-                await self._resync()
-                return
-            added, removed = net_changes(events)
-            if not await self.index.publish(self.worker.identity.instance_id, added, removed):
-                self.dirty = True
+            try:
+                if self.dirty:
+                    await self._resync()
+                    return
+                added, removed = net_changes(events)
+                if not await self.index.publish(self.worker.identity.instance_id, added,
+                                                removed):
+                    self.dirty = True
+            finally:
+                self.worker.metrics.redis_up(self.index.is_up)
 
     async def heartbeat(self) -> None:
         if self.index is None:
@@ -102,6 +107,7 @@ class InstanceMonitor:
                 self.dirty = True
             elif is_new or self.dirty:
                 await self._resync(registered=True)
+            self.worker.metrics.redis_up(self.index.is_up)
 
     async def flush(self) -> None:
         """Publish everything pending now (tests, shutdown)."""

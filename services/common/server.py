@@ -1,7 +1,9 @@
 """ServiceRuntime: the life of one prefill or decode instance.
 
     start():  gRPC server up (health NOT_SERVING) ─▶ model loads in a thread ─▶ worker,
-              registry monitor ─▶ health SERVING
+              registry monitor, stall watchdog ─▶ health SERVING
+    stalled:  work queued, no engine step for `stall_timeout` ─▶ NOT_SERVING until steps
+              resume (readiness; liveness is the server answering at all)
     stop():   health NOT_SERVING, new Prefill/Generate refused (UNAVAILABLE) ─▶ in-flight
               requests and pinned KV get `grace_period` ─▶ server.stop ─▶ unregister ─▶
               engine thread joined
@@ -25,10 +27,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 from prometheus_client import CollectorRegistry, start_http_server
 
+from services.common.auth import TokenAuthInterceptor
 from services.common.config import ServiceConfig
 from services.common.errors import ServiceError
 from services.common.metrics import ServiceMetrics
 from services.common.monitor import InstanceMonitor
+from services.common.readiness import StallWatchdog, stall_file_hook
 from services.common.worker import EngineWorker, Identity
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine_core import EngineCore
@@ -62,6 +66,7 @@ class ServiceRuntime:
         self.phase = Phase.LOADING
         self.worker: EngineWorker | None = None
         self.monitor: InstanceMonitor | None = None
+        self.watchdog: StallWatchdog | None = None
         self.index: PrefixIndex | None = None
         self.registry = CollectorRegistry()
         self.identity: Identity | None = None
@@ -80,7 +85,9 @@ class ServiceRuntime:
 
     async def start(self) -> None:
         """Serve health (NOT_SERVING) at once; load the model in the background."""
-        server = grpc.aio.server(options=self.config.grpc_options())
+        interceptors = ([TokenAuthInterceptor(self.config.internal_token)]
+                        if self.config.internal_token else [])
+        server = grpc.aio.server(options=self.config.grpc_options(), interceptors=interceptors)
         add_HealthServicer_to_server(self._health, server)
         self._add_servicer(server, self)
         bound = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
@@ -111,6 +118,10 @@ class ServiceRuntime:
             self._loaded.set()
             return
         engine = AsyncEngine(core, name=f"{self.config.role}-engine")
+        if self.config.test_stall_file:
+            logger.warning("test hook: the engine stalls while %s exists",
+                           self.config.test_stall_file)
+            engine.stall_hook = stall_file_hook(engine, self.config.test_stall_file)
         metrics = ServiceMetrics(core.model_config.served_model_name, self.registry)
         self.worker = self._make_worker(engine, self.config, self.identity, metrics,
                                         eos_token_id)
@@ -120,6 +131,10 @@ class ServiceRuntime:
                                      max_backoff=self.config.redis_max_backoff)
         self.monitor = InstanceMonitor(self.worker, self.index)
         self.monitor.start()
+        if self.config.stall_timeout > 0:
+            self.watchdog = StallWatchdog(engine, self.config.stall_timeout,
+                                          self.config.stall_check_interval, self._on_stall)
+            self.watchdog.start()
         if self.phase is Phase.LOADING:
             self.phase = Phase.SERVING
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -146,6 +161,11 @@ class ServiceRuntime:
                                f"{self.config.role} instance is draining")
         return worker
 
+    async def _on_stall(self, stalled: bool, seconds: float) -> None:
+        if self.phase is Phase.SERVING:  # loading and draining keep their own status
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING if stalled
+                                   else health_pb2.HealthCheckResponse.SERVING)
+
     async def _set_health(self, status) -> None:
         for name in ("", self.service_name):
             await self._health.set(name, status)
@@ -171,6 +191,8 @@ class ServiceRuntime:
             await self._bounded("gRPC server stop", self._server.stop(remaining), remaining + 5)
         if self._load_task is not None and not self._load_task.done():
             await asyncio.gather(self._load_task, return_exceptions=True)
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self.monitor is not None:
             await self._bounded("registry monitor stop", self.monitor.stop(), 5)
         if worker is not None:

@@ -4,7 +4,8 @@
         (dtype, shape, length, indices checked) ──▶ write_kv_blocks(our block ids)
     then ReleaseKV(request_id), in the background, with a deadline.
 
-One gRPC channel per prefill address, created on first use, with the raised message limits.
+One gRPC channel per prefill address, created on first use, with the explicit message limits;
+every call carries the internal token (if configured) and `x-request-id`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.common.auth import auth_metadata
 from services.common.config import ServiceConfig
 from services.common.errors import ServiceError
 from services.common.metrics import ServiceMetrics
@@ -42,6 +44,10 @@ class KVFetcher:
         self.config = config
         self.metrics = metrics
         self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.PrefillServiceStub]] = {}
+        self._auth = auth_metadata(config.internal_token)
+
+    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
+        return (("x-request-id", request_id),) + self._auth
 
     def _stub(self, address: str) -> engine_pb2_grpc.PrefillServiceStub:
         entry = self._stubs.get(address)
@@ -64,7 +70,7 @@ class KVFetcher:
         start = time.monotonic()
         call = self._stub(address).FetchKV(
             pb.FetchKVRequest(request_id=request_id, block_indices=block_indices),
-            timeout=self.config.kv_transfer_timeout, metadata=(("x-request-id", request_id),))
+            timeout=self.config.kv_transfer_timeout, metadata=self._metadata(request_id))
         try:
             async for chunk in call:
                 if chunk.request_id != request_id:
@@ -95,7 +101,7 @@ class KVFetcher:
         try:
             await self._stub(handle.prefill_address).ReleaseKV(
                 pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout,
-                metadata=(("x-request-id", request_id),))
+                metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as e:
             logger.warning("[%s] ReleaseKV on %s failed: %s %s", request_id,
                            handle.prefill_address, e.code().name, e.details())

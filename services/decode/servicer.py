@@ -11,6 +11,7 @@ from services.common.convert import (
     FINISH_REASONS,
     handle_from_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
 )
 from services.common.errors import abort_with
@@ -56,6 +57,7 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                         finish_reason=FINISH_REASONS[out.finish_reason])
                     if out.num_cached_tokens is not None:
                         chunk.num_cached_tokens = out.num_cached_tokens
+                    chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                     await context.write(chunk)
                     if out.finish_reason is not None:
                         logger.info("[%s] decoded %d tokens, finished: %s", rid, num_tokens,

@@ -51,6 +51,8 @@ class GenerateOutput(NamedTuple):
     finish_reason: FinishReason | None
     num_cached_tokens: int | None
     """On the first output: the prefix-cache hit on this instance, in tokens."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first output of a local prefill asking for them: one per prompt token."""
 
 
 @dataclass(slots=True)
@@ -224,7 +226,8 @@ class DecodeWorker(EngineWorker):
                         delta.finish_reason.value, request.num_prompt_tokens if local else 0,
                         num_generated, now - arrival)
                 yield GenerateOutput(delta.new_token_ids, delta.new_logprobs,
-                                     delta.finish_reason, num_cached if first else None)
+                                     delta.finish_reason, num_cached if first else None,
+                                     delta.prompt_logprobs)
 
     async def _admit_transferred(self, ticket: _Ticket, handle: KVHandle) -> int:
         """Reserve blocks, fetch the missing ones, commit. Returns the prefix-hit tokens."""

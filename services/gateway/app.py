@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from services.gateway.admission import AdmissionQueue
 from services.gateway.backend import EngineBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
@@ -69,9 +70,12 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
                     config.local_prefill_threshold)
     engine = ServingEngine(config, backend, placer)
     metrics = GatewayMetrics()
-    chat = ChatServing(config, engine, tokenizer, metrics)
+    metrics.registry.register(engine.failover_stats)
+    admission = AdmissionQueue(config.max_num_queued_requests, config.max_queued_tokens,
+                               metrics.registry)
+    chat = ChatServing(config, engine, tokenizer, metrics, admission)
     gateway = Gateway(config, tokenizer, backend, engine, metrics,
-                      CompletionServing(config, engine, tokenizer, metrics), chat,
+                      CompletionServing(config, engine, tokenizer, metrics, admission), chat,
                       TokenizationServing(chat), int(time.time()))
 
     @asynccontextmanager
@@ -84,6 +88,7 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
         except GatewayError as e:
             logger.warning("no engine instance answered yet (%s); will retry per request", e)
         yield
+        await engine.close()
         await backend.close()
         tokenizer.close()
         if owned_registry is not None:

@@ -13,11 +13,10 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.config import MAX_GRPC_MESSAGE_BYTES as _MAX_MESSAGE_BYTES
 from shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
-
-_MAX_MESSAGE_BYTES = 64 << 20
 
 
 class EngineOutput(NamedTuple):
@@ -30,6 +29,9 @@ class EngineOutput(NamedTuple):
     """engine_pb2.FinishReason; FINISH_REASON_UNSPECIFIED while running."""
     num_cached_tokens: int | None
     """Prefix-cache hit of the instance that computed the prompt (first output only)."""
+    prompt_logprobs: list[engine_pb2.TokenLogprobs] | None = None
+    """First output only, when sampling_params.prompt_logprobs was set: one per prompt
+    token after the first (the first has no logprob)."""
 
 
 class _Channel(NamedTuple):
@@ -59,6 +61,9 @@ class EngineBackend:
             channel = grpc.aio.insecure_channel(address, options=[
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                # A restarted instance is found within seconds, not grpc's default 120 s.
+                ("grpc.initial_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 2000),
             ])
             ch = self._channels[address] = _Channel(
                 channel, engine_pb2_grpc.PrefillServiceStub(channel),
@@ -79,19 +84,28 @@ class EngineBackend:
         return self._get(address).decode.Generate(
             request, timeout=self.request_timeout, metadata=self._metadata(request_id))
 
-    async def get_state(self, address: str, role: str) -> engine_pb2.EngineState:
+    async def get_state(self, address: str, role: str,
+                        check_invariants: bool = False) -> engine_pb2.EngineState:
+        """The instance's EngineState; `check_invariants` also audits its block pool."""
         stub = self._get(address).prefill if role == "prefill" else self._get(address).decode
-        return await stub.GetState(engine_pb2.GetStateRequest(), timeout=self.rpc_timeout,
-                                   metadata=self._auth)
+        return await stub.GetState(engine_pb2.GetStateRequest(check_invariants=check_invariants),
+                                   timeout=self.rpc_timeout, metadata=self._auth)
 
     async def is_serving(self, address: str) -> bool:
         """grpc.health.v1 Check of the whole server ("" service)."""
+        return await self.health_status(address) == health_pb2.HealthCheckResponse.SERVING
+
+    async def health_status(self, address: str, timeout: float | None = None) -> int | None:
+        """grpc.health.v1 Check of the whole server ("" service): the
+        `HealthCheckResponse.ServingStatus` value, or None when it does not answer within
+        `timeout` seconds (default rpc_timeout) or answers with an error status."""
         try:
             resp = await self._get(address).health.Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=self.rpc_timeout)
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=self.rpc_timeout if timeout is None else timeout)
         except grpc.aio.AioRpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
+            return None
+        return resp.status
 
     async def _abort(self, address: str, role: str, engine_request_ids: list[str],
                      request_id: str) -> None:

@@ -18,7 +18,7 @@ class GatewayConfig:
     """Local HF directory holding the tokenizer and chat template."""
     served_model_name: str = DEFAULT_MODEL
     """The name clients use (OpenAI `model`); also a prefix-hash extra key for routing."""
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 8000
     max_model_len: int | None = None
     """Prompt + output tokens; None: read from the backends' GetState."""
@@ -28,8 +28,10 @@ class GatewayConfig:
     """Static decode instances, `host:port` each."""
     redis_url: str | None = None
     """The Redis prefix index; None: static lists only."""
-    api_key: str | None = None
-    """If set, every route but /health needs `Authorization: Bearer <api_key>`."""
+    api_key: str | tuple[str, ...] | None = None
+    """The accepted API keys (one, a tuple, or comma-separated); read them as `api_keys`.
+    If any, every route but /health needs `Authorization: Bearer <one of them>`, and each
+    key is a prefix-cache tenant (services/gateway/tenancy.py)."""
     local_prefill_threshold: int = 0
     """Prompts whose uncached part is shorter than this go straight to a decode instance."""
     request_timeout: float = 600.0
@@ -62,6 +64,11 @@ class GatewayConfig:
     """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
 
     @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys, deduplicated, in order (empty: no authentication)."""
+        return split_api_keys(self.api_key)
+
+    @property
     def has_backends(self) -> bool:
         return bool(self.prefill_urls or self.decode_urls or self.redis_url)
 
@@ -81,9 +88,21 @@ def _split_urls(values: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def split_api_keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """`"k1,k2"`, `("k1", "k2,k3")` or None -> the keys (blank parts dropped, duplicates once).
+
+    NOTE: a comma separates keys, so a key cannot contain one.
+    """
+    if value is None:
+        return ()
+    parts = [value] if isinstance(value, str) else list(value)
+    keys = (k.strip() for part in parts for k in part.split(","))
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("gateway")
-    g.add_argument("--host", default=_env("host", "0.0.0.0"))
+    g.add_argument("--host", default=_env("host", "127.0.0.1"))
     g.add_argument("--port", type=int, default=int(_env("port", 8000)))
     g.add_argument("--model", default=_env("model", DEFAULT_MODEL),
                    help="HF directory or the default model name (for the tokenizer)")
@@ -95,7 +114,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--decode-url", action="append", default=None,
                    help="decode instance host:port (repeat or comma-separate)")
     g.add_argument("--redis-url", default=_env("redis_url", None))
-    g.add_argument("--api-key", default=_env("api_key", None))
+    g.add_argument("--api-key", action="append", default=None,
+                   help="accepted API key (repeat or comma-separate; also PDSERVE_API_KEY); "
+                        "each key is a prefix-cache tenant")
     g.add_argument("--local-prefill-threshold", type=int,
                    default=int(_env("local_prefill_threshold", 0)))
     g.add_argument("--request-timeout", type=float, default=float(_env("request_timeout", 600)))
@@ -142,7 +163,8 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         model_path=model_path, served_model_name=name, host=ns.host, port=ns.port,
         max_model_len=int(ns.max_model_len) if ns.max_model_len else None,
         prefill_urls=_split_urls(prefill), decode_urls=_split_urls(decode),
-        redis_url=ns.redis_url or None, api_key=ns.api_key or None,
+        redis_url=ns.redis_url or None,
+        api_key=split_api_keys(ns.api_key or _env("api_key", None)) or None,
         local_prefill_threshold=ns.local_prefill_threshold,
         request_timeout=ns.request_timeout, rpc_timeout=ns.rpc_timeout,
         max_body_size=ns.max_body_size, block_size=ns.block_size, log_level=ns.log_level,

@@ -1,4 +1,7 @@
-"""One pure-ASGI middleware: X-Request-Id, the API key, and per-route request metrics.
+"""One pure-ASGI middleware: X-Request-Id, the API keys, and per-route request metrics.
+
+The presented API key picks the request's prefix-cache tenant: its salt is stored as
+`request.state.tenant_cache_salt` (None without API keys); services/gateway/tenancy.py.
 
 Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through untouched and a
 client disconnect still reaches the endpoint.
@@ -12,12 +15,15 @@ import re
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.config import split_api_keys
 from services.gateway.errors import GatewayError, error_response
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.tenancy import tenant_cache_salt
 
 logger = logging.getLogger("services.gateway.access")
 
@@ -28,18 +34,28 @@ PUBLIC_ROUTES = frozenset({"/health"})
 
 
 class GatewayMiddleware:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, metrics: GatewayMetrics,
-                 routes: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | Sequence[str] | None,
+                 metrics: GatewayMetrics, routes: frozenset[str]) -> None:
+        """`api_key`: the accepted keys (one, several, or comma-separated; None: open)."""
         self.app = app
-        self.api_key = api_key
+        # (key bytes, the tenant's cache salt) per accepted key; the key itself goes nowhere.
+        self._tenants = [(k.encode(), tenant_cache_salt(k))
+                         for k in split_api_keys(api_key)]
         self.metrics = metrics
         self.routes = routes
 
-    def _is_authorized(self, headers: Headers) -> bool:
-        auth = headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode())
+    def _tenant_salt(self, headers: Headers) -> str | None:
+        """The salt of the key in `Authorization: Bearer <key>`; None if it is no known key.
+
+        Every key is compared, in constant time each, so the time taken does not tell which.
+        """
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        presented = token.strip().encode()
+        salt = None
+        for key, tenant_salt in self._tenants:
+            if hmac.compare_digest(presented, key) and scheme.lower() == "bearer":
+                salt = tenant_salt
+        return salt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,7 +71,7 @@ class GatewayMiddleware:
             request_id = engine_prefix = uuid.uuid4().hex
         state = scope.setdefault("state", {})
         state.update(request_id=request_id, engine_request_prefix=engine_prefix,
-                     arrival_time=time.monotonic())
+                     arrival_time=time.monotonic(), tenant_cache_salt=None)
         path = scope["path"]
         route = path if path in self.routes else "other"
         status = 500
@@ -69,7 +85,9 @@ class GatewayMiddleware:
 
         self.metrics.requests_running.inc()
         try:
-            if self.api_key and path not in PUBLIC_ROUTES and not self._is_authorized(headers):
+            if self._tenants:
+                state["tenant_cache_salt"] = self._tenant_salt(headers)
+            if self._tenants and path not in PUBLIC_ROUTES and not state["tenant_cache_salt"]:
                 err = GatewayError("Invalid or missing API key.", 401)
                 await error_response(err, {"WWW-Authenticate": "Bearer"})(
                     scope, receive, send_with_id)

@@ -46,6 +46,9 @@ class ChoiceDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the choice (vLLM's extension)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """First delta only, when the engine returned them: one per prompt token after the
+    first (echo with logprobs)."""
 
 
 class ChoiceProcessor:
@@ -65,6 +68,7 @@ class ChoiceProcessor:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        self._first = True
 
     def process(self, out: EngineOutput) -> ChoiceDelta:
         if self.finish_reason is not None:
@@ -75,15 +79,17 @@ class ChoiceProcessor:
         if out.num_cached_tokens is not None:
             self.num_cached_tokens = out.num_cached_tokens
         delta = ChoiceDelta(self.index, "", 0, [] if self._logprobs else None)
+        if self._first:
+            self._first = False
+            if out.prompt_logprobs:
+                delta.prompt_logprobs = [_token_logprob(lp) for lp in out.prompt_logprobs]
         pieces: list[str] = []
         last = len(out.token_ids) - 1
         for j, token_id in enumerate(out.token_ids):
             self.num_output_tokens += 1
             delta.num_tokens += 1
             if delta.logprobs is not None and j < len(out.logprobs):
-                lp = out.logprobs[j]
-                delta.logprobs.append(TokenLogprob(
-                    token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs))))
+                delta.logprobs.append(_token_logprob(out.logprobs[j], token_id))
             if j == last and engine_finish == "stop" and not self._include_stop:
                 break  # the EOS / stop token: counted, never detokenized
             piece = self._detokenizer.step(token_id)
@@ -106,3 +112,8 @@ class ChoiceProcessor:
         delta.text = "".join(pieces)
         self.finish_reason = delta.finish_reason
         return delta
+
+
+def _token_logprob(lp: engine_pb2.TokenLogprobs, token_id: int | None = None) -> TokenLogprob:
+    return TokenLogprob(lp.token_id if token_id is None else token_id, lp.logprob,
+                        list(zip(lp.top_token_ids, lp.top_logprobs)))

@@ -11,6 +11,12 @@ with the same two methods) and, when it has none or is down, from the static
 3. if the prompt's part not cached on the chosen decode instance is shorter than
    `local_prefill_threshold` tokens (or no prefill instance exists), skip the prefill
    instance: the decode instance prefills locally (conditional disaggregation).
+
+With a health view (`services.gateway.health.HealthTracker`), instances known NOT_SERVING or
+unreachable are skipped; when that leaves no decode instance, the skipped ones are checked
+live (at most HEALTH_RECHECK_BOUND s) before placement gives up. `avoid` (the instances that
+already failed this request) is a preference for decode (used if nothing else is left) and
+a hard exclusion for prefill (the decode instance can always prefill itself).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
@@ -26,6 +32,8 @@ from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 logger = logging.getLogger(__name__)
 
 LIVE_CACHE_SECONDS = 1.0
+HEALTH_RECHECK_BOUND = 1.0
+"""Seconds placement waits for live health checks when no decode instance is usable."""
 
 
 class InstanceRegistry(Protocol):
@@ -37,6 +45,16 @@ class InstanceRegistry(Protocol):
 
     async def longest_prefix(self, block_hashes: list[bytes]) -> dict[str, int]:
         """instance_id -> number of leading blocks of `block_hashes` it holds."""
+        ...
+
+
+class HealthView(Protocol):
+    """What placement needs from services.gateway.health.HealthTracker."""
+
+    def is_usable(self, address: str) -> bool:
+        ...
+
+    async def refresh(self, addresses: Iterable[str], bound: float) -> None:
         ...
 
 
@@ -55,8 +73,10 @@ class Placement(NamedTuple):
 
 class Placer:
     def __init__(self, prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (),
-                 registry: InstanceRegistry | None = None, local_prefill_threshold: int = 0):
+                 registry: InstanceRegistry | None = None, local_prefill_threshold: int = 0,
+                 health: HealthView | None = None):
         self.prefill_urls = tuple(prefill_urls)
+        self.health = health
         self.decode_urls = tuple(decode_urls)
         self.registry = registry
         self.local_prefill_threshold = local_prefill_threshold
@@ -66,6 +86,10 @@ class Placer:
 
     def begin(self, address: str) -> None:
         self._in_flight[address] += 1
+
+    def num_in_flight(self, address: str) -> int:
+        """Engine requests this gateway has placed on `address` and not yet finished."""
+        return self._in_flight[address]
 
     def end(self, address: str) -> None:
         self._in_flight[address] -= 1
@@ -108,6 +132,21 @@ class Placer:
             out = [Candidate(a, a, self._in_flight[a], 0) for a in static]
         return out
 
+    def _usable(self, candidates: list[Candidate]) -> list[Candidate]:
+        if self.health is None:
+            return candidates
+        return [c for c in candidates if self.health.is_usable(c.address)]
+
+    async def _decode_candidates(self, cached: dict[str, int],
+                                 avoid: Collection[str]) -> list[Candidate]:
+        everything = await self._candidates("decode", cached)
+        usable = self._usable(everything)
+        if not usable and everything and self.health is not None:
+            await self.health.refresh([c.address for c in everything], HEALTH_RECHECK_BOUND)
+            usable = self._usable(everything)
+        preferred = [c for c in usable if c.address not in avoid]
+        return preferred or usable
+
     @staticmethod
     def _best(candidates: list[Candidate]) -> Candidate | None:
         # Most cached blocks first, then least load; stable on the list order otherwise.
@@ -125,14 +164,20 @@ class Placer:
             return {}
 
     async def place(self, prompt_token_ids: Sequence[int], *, model_name: str,
-                    block_size: int, cache_salt: str | None = None) -> Placement | None:
-        """Pick the instances for one engine request; None when no decode instance exists."""
+                    block_size: int, cache_salt: str | None = None,
+                    avoid: Collection[str] = (), local_prefill: bool = False
+                    ) -> Placement | None:
+        """Pick the instances for one engine request; None when no decode instance exists
+        (or none is usable). `local_prefill`: always let the decode instance prefill."""
         cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size)
-        decode = self._best(await self._candidates("decode", cached))
+        decode = self._best(await self._decode_candidates(cached, avoid))
         if decode is None:
             return None
+        if local_prefill:
+            return Placement(None, decode.address)
         uncached = len(prompt_token_ids) - decode.num_cached_blocks * block_size
-        prefill = self._best(await self._candidates("prefill", cached))
+        prefill = self._best([c for c in self._usable(await self._candidates("prefill", cached))
+                              if c.address not in avoid])
         if prefill is None or uncached < self.local_prefill_threshold:
             return Placement(None, decode.address)
         return Placement(prefill.address, decode.address)

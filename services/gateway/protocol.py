@@ -3,7 +3,8 @@
 As in vLLM, fields the models do not name are accepted and ignored; fields the OpenAI API
 defines but pdserve cannot honour (`suffix`, `logit_bias`, tools, images, ...) are refused
 with a 400 naming the field. Types are strict (`"stream": "yes"` and `"max_tokens": "ten"`
-are errors) so a malformed body is a 400, never a surprise later.
+are errors) and floats finite (`NaN`, `Infinity`, `1e999` are errors), so a malformed body is
+a 400, never a surprise later. The models are also the request schemas of /openapi.json.
 """
 
 from __future__ import annotations
@@ -17,7 +18,20 @@ from services.gateway.errors import GatewayError, bad_request
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every non-2xx answer of the gateway (services/gateway/errors.py)."""
+
+    error: ErrorInfo
 
 
 class StreamOptions(OpenAIBaseModel):

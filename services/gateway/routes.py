@@ -9,7 +9,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from services.gateway.debug import kv_audit
 from services.gateway.errors import GatewayError, error_response
+from services.gateway.openapi import build_openapi
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -69,7 +71,8 @@ async def detokenize(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 only when at least one prefill and one decode instance are SERVING."""
+    """200 only when at least one prefill and one decode instance are SERVING (live checks
+    bounded to serving.HEALTH_ROUTE_BOUND s, then the health tracker's last known states)."""
     healthy = await request.app.state.gateway.engine.is_healthy()
     return Response(status_code=200 if healthy else 503)
 
@@ -77,6 +80,26 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     return Response(request.app.state.gateway.metrics.render(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def openapi(request: Request) -> Response:
+    """The OpenAPI document of every route (built once per app)."""
+    doc = getattr(request.app.state, "openapi", None)
+    if doc is None:
+        doc = request.app.state.openapi = build_openapi(
+            request.app.routes,
+            title=f"pdserve gateway ({request.app.state.gateway.config.served_model_name})",
+            version=_version())
+    return JSONResponse(doc)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0"
 
 
 ROUTES = [
@@ -87,12 +110,17 @@ ROUTES = [
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+    Route("/debug/kv-audit", kv_audit, methods=["GET"]),
 ]
 
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, GatewayError)
-    return error_response(exc)
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 429 and not headers:  # an engine's RESOURCE_EXHAUSTED
+        headers = {"Retry-After": "1"}
+    return error_response(exc, headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

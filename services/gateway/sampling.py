@@ -6,6 +6,7 @@ would overflow the proto's int32/int64/float fields), so nothing invalid reaches
 
 from __future__ import annotations
 
+from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, bad_request
 from services.gateway.protocol import SamplingRequest
 from shared.proto import engine_pb2
@@ -15,6 +16,8 @@ _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _FLOAT32_MAX = 3.4e38
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
+"""Most stop_token_ids one request may give (the engine checks each per generated token)."""
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
@@ -23,9 +26,30 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
             raise bad_request(f"token id {t} is out of range [0, {vocab_size})", param)
 
 
-def check_logprobs(value: int | None, param: str) -> None:
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+def check_logprobs(value: int | None, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
+    if value is not None and not 0 <= value <= max_logprobs:
+        raise bad_request(f"{param} must be in [0, {max_logprobs}], got {value}", param)
+
+
+def check_limits(req: SamplingRequest, config: GatewayConfig) -> None:
+    """The size limits of the sampling fields (--max-n, --max-stop-strings, ...).
+
+    Raises:
+        GatewayError: 400 naming the field and the limit.
+    """
+    if not 1 <= req.n <= config.max_n:
+        raise bad_request(f"n must be in [1, {config.max_n}], got {req.n}", "n")
+    stop = req.stop_list
+    if len(stop) > config.max_stop_strings:
+        raise bad_request(f"stop has {len(stop)} strings; at most {config.max_stop_strings} "
+                          f"are allowed", "stop")
+    longest = max(map(len, stop), default=0)
+    if longest > config.max_stop_string_length:
+        raise bad_request(f"stop strings may have at most {config.max_stop_string_length} "
+                          f"characters; one has {longest}", "stop")
+    if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most "
+                          f"{MAX_STOP_TOKEN_IDS} are allowed", "stop_token_ids")
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, *,
@@ -108,4 +132,6 @@ def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingPara
         params.seed = sp.seed + choice
     if sp.logprobs is not None:
         params.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        params.prompt_logprobs = sp.prompt_logprobs
     return params

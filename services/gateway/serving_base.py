@@ -1,6 +1,7 @@
 """OpenAIServing: what the completions and chat endpoints share.
 
 Fan-out (`n` choices per prompt, seeds seed+i, engine ids `<prefix>-<choice index>`),
+admission to the waiting queue (services/gateway/admission.py; every exit path releases it),
 waiting for the first output before answering (so a refusal by the engine is still a plain
 JSON error with its own status, also for `stream: true`), SSE framing and usage.
 """
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
+from services.gateway.admission import AdmissionQueue, Grant
 from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError, model_not_found
+from services.gateway.errors import GatewayError, bad_request, model_not_found
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
 from services.gateway.sampling import to_engine_params
@@ -28,6 +31,7 @@ from shared.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+_HOPELESS = 4
 
 
 @dataclass(slots=True)
@@ -44,6 +48,19 @@ class ChoiceRun:
     prompts: list[PromptInput]
     processors: list[ChoiceProcessor]
     deltas: AsyncIterator[ChoiceDelta]
+    grant: Grant | None = None
+    """The run's place in the waiting queue (None: no engine request was started)."""
+
+    def release(self) -> None:
+        if self.grant is not None:
+            self.grant.release()
+
+    async def close(self) -> None:
+        """Stop every choice still running and leave the queue (idempotent)."""
+        try:
+            await self.deltas.aclose()  # type: ignore[attr-defined]
+        finally:
+            self.release()
 
     def usage(self) -> dict:
         n = len(self.processors) // max(len(self.prompts), 1)
@@ -71,15 +88,79 @@ async def static_deltas(deltas: Sequence[ChoiceDelta]) -> AsyncIterator[ChoiceDe
         yield d
 
 
+async def _tracked(grant: Grant, index: int,
+                   deltas: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    """One choice's deltas, moving it from waiting to running to done in `grant`."""
+    try:
+        async for d in deltas:
+            grant.start(index)
+            yield d
+    finally:
+        grant.finish(index)
+        await deltas.aclose()  # type: ignore[attr-defined]
+
+
+class _RunStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its run however the response ends (also when the
+    client is gone before the body iterator ever started)."""
+
+    def __init__(self, content, run: ChoiceRun, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.run.close()
+
+
+def _max_token_chars(tokenizer) -> int | None:
+    """An upper bound on the characters one token covers, or None when not known.
+
+    A BPE tokenizer without a normalizer maps every token to at most len(token string)
+    characters of text (byte-level strings carry one character per byte), so text of c
+    characters has at least c / bound tokens.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or \
+            type(backend.model).__name__ != "BPE":
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=0) or None
+
+
 class OpenAIServing:
     route = ""
 
     def __init__(self, config: GatewayConfig, engine: ServingEngine,
-                 tokenizer: GatewayTokenizer, metrics: GatewayMetrics) -> None:
+                 tokenizer: GatewayTokenizer, metrics: GatewayMetrics,
+                 admission: AdmissionQueue | None = None) -> None:
+        """`admission`: the waiting queue the endpoints share (default: one of their own)."""
         self.config = config
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.admission = admission or AdmissionQueue(config.max_num_queued_requests,
+                                                     config.max_queued_tokens)
+        self._max_token_chars = _max_token_chars(tokenizer.tokenizer)
+
+    async def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text sure to have over _HOPELESS x the context's
+        tokens (megabytes of prompt would hold the tokenizer thread for seconds). Text
+        nearer the limit is tokenized, so its refusal can state the exact count.
+
+        Raises:
+            GatewayError: 400 naming `param` ("prompt" or "messages").
+        """
+        bound = self._max_token_chars
+        if bound is None or num_chars <= bound:
+            return
+        max_model_len = (await self.engine.engine_info()).max_model_len
+        if num_chars // bound >= _HOPELESS * max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your input of {num_chars} characters has at least {num_chars // bound} "
+                f"tokens. Please reduce the length of the input.", param)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.served_model_name:
@@ -88,7 +169,15 @@ class OpenAIServing:
     def start(self, prompts: list[PromptInput], sampling: list[SamplingParams], *,
               stop: list[str], include_stop_str_in_output: bool, logprobs: bool,
               cache_salt: str | None, engine_prefix: str, request_id: str) -> ChoiceRun:
-        """Start n engine requests per prompt; choice index = prompt index * n + i."""
+        """Start n engine requests per prompt; choice index = prompt index * n + i.
+
+        Raises:
+            QueueFullError: 429, the waiting queue cannot take them now (nothing started).
+            GatewayError: 400, they could never fit the queue.
+        """
+        grant = self.admission.admit([len(prompt.token_ids) + (sp.max_tokens or 0)
+                                      for prompt, sp in zip(prompts, sampling, strict=True)
+                                      for _ in range(sp.n)])
         processors, streams = [], []
         for p, (prompt, sp) in enumerate(zip(prompts, sampling, strict=True)):
             for i in range(sp.n):
@@ -99,10 +188,10 @@ class OpenAIServing:
                     stop_token_ids=sp.stop_token_ids, min_tokens=sp.min_tokens,
                     logprobs=logprobs, skip_special_tokens=sp.skip_special_tokens)
                 processors.append(proc)
-                streams.append(self.engine.run_choice(
+                streams.append(_tracked(grant, index, self.engine.run_choice(
                     proc, f"{engine_prefix}-{index}", prompt.token_ids,
-                    to_engine_params(sp, i), cache_salt=cache_salt, request_id=request_id))
-        return ChoiceRun(prompts, processors, merge_streams(streams))
+                    to_engine_params(sp, i), cache_salt=cache_salt, request_id=request_id)))
+        return ChoiceRun(prompts, processors, merge_streams(streams), grant)
 
     def _observe_ttft(self, request: Request) -> None:
         self.metrics.time_to_first_token.labels(self.route).observe(
@@ -121,13 +210,22 @@ class OpenAIServing:
         """Collect (non-streamed) or stream the choices; aborts them if the client leaves.
 
         `stream_chunks(run, first)` yields the chunk payloads of a stream that starts with
-        the delta `first`; the usage chunk and [DONE] are added here.
+        the delta `first`; the usage chunk and [DONE] are added here. However it ends, the
+        run's choices are stopped and its place in the waiting queue is released.
         """
         if not stream:
-            deltas = await run_until_disconnect(request.receive, self._collect(request, run))
+            try:
+                deltas = await run_until_disconnect(request.receive,
+                                                    self._collect(request, run))
+            finally:
+                await run.close()
             self._count_tokens(run)
             return JSONResponse(build_response(run, deltas))
-        first = await run_until_disconnect(request.receive, anext(run.deltas, None))
+        try:
+            first = await run_until_disconnect(request.receive, anext(run.deltas, None))
+        except BaseException:
+            await run.close()
+            raise
         if first is not None:
             self._observe_ttft(request)
 
@@ -143,12 +241,12 @@ class OpenAIServing:
                 logger.exception("[%s] stream failed", request.state.request_id)
                 yield sse_event(GatewayError("internal error", 500).to_dict())
             finally:
-                await run.deltas.aclose()
+                await run.close()
                 self._count_tokens(run)
             yield sse_event("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _RunStreamingResponse(events(), run, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
 
     async def _collect(self, request: Request, run: ChoiceRun) -> list[ChoiceDelta]:
         deltas = []

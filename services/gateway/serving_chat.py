@@ -11,8 +11,14 @@ from starlette.responses import Response
 from services.gateway.errors import bad_request
 from services.gateway.output_processor import ChoiceDelta, TokenLogprob
 from services.gateway.protocol import ChatCompletionRequest, check_unsupported
-from services.gateway.sampling import build_sampling_params, check_logprobs, resolve_max_tokens
+from services.gateway.sampling import (
+    build_sampling_params,
+    check_limits,
+    check_logprobs,
+    resolve_max_tokens,
+)
 from services.gateway.serving_base import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
+from services.gateway.tenancy import request_cache_salt
 
 # apply_chat_template's own parameters: template variables may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -52,9 +58,11 @@ class ChatServing(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         check_unsupported(req)
         self.check_model(req.model)
-        check_logprobs(req.top_logprobs, "top_logprobs")
+        check_limits(req, self.config)
+        check_logprobs(req.top_logprobs, "top_logprobs", self.config.max_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        await self.check_prompt_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = PromptInput(await self.encode_messages(req))
         info = await self.engine.engine_info()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -65,11 +73,12 @@ class ChatServing(OpenAIServing):
                                    vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
                                    max_tokens_param=param)
         state = request.state
+        salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
+        out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}")
         run = self.start([prompt], [sp], stop=req.stop_list,
                          include_stop_str_in_output=req.include_stop_str_in_output,
-                         logprobs=req.logprobs, cache_salt=req.cache_salt,
+                         logprobs=req.logprobs, cache_salt=salt,
                          engine_prefix=state.engine_request_prefix, request_id=state.request_id)
-        out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}")
         return await self.respond(request, run, bool(req.stream), out.build_response,
                                   out.stream_chunks, req.include_usage, out.chunk_meta)
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.errors import bad_request
-from services.gateway.output_processor import ChoiceDelta, TokenLogprob
+from services.gateway.errors import GatewayError, bad_request
+from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor, TokenLogprob
 from services.gateway.protocol import CompletionRequest, check_unsupported
 from services.gateway.sampling import (
     build_sampling_params,
+    check_limits,
     check_logprobs,
     check_token_ids,
     resolve_max_tokens,
@@ -24,6 +27,7 @@ from services.gateway.serving_base import (
     clamp_logprob,
     static_deltas,
 )
+from services.gateway.tenancy import request_cache_salt
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this endpoint
 
@@ -39,6 +43,11 @@ class CompletionServing(OpenAIServing):
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):
             prompt = [prompt]
+        # Cheap refusals first: before a single prompt is tokenized.
+        self.admission.check_fits(len(prompt) * req.n,
+                                  param="n" if req.n > 1 else "prompt")
+        await self.check_prompt_chars(max((len(p) for p in prompt if isinstance(p, str)),
+                                          default=0), "prompt")
         out = []
         for p in prompt:
             if isinstance(p, str):
@@ -59,31 +68,37 @@ class CompletionServing(OpenAIServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         check_unsupported(req)
         self.check_model(req.model)
-        check_logprobs(req.logprobs, "logprobs")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which the engine "
-                              "does not return yet", "echo")
+        check_limits(req, self.config)
+        check_logprobs(req.logprobs, "logprobs", self.config.max_logprobs)
         prompts = await self._prompts(req)
         max_model_len = (await self.engine.engine_info()).max_model_len
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
         echo_only = req.echo and req.max_tokens == 0
-        sampling = [build_sampling_params(
+        # echo + logprobs: the engine returns the prompt's logprobs with the first token;
+        # with max_tokens 0 it runs one token only for them, and that token is dropped.
+        prompt_logprobs = req.logprobs if req.echo else None
+        prompt_only = echo_only and prompt_logprobs is not None
+        echo_only = echo_only and not prompt_only
+        sampling = [dataclasses.replace(build_sampling_params(
             req, max_tokens=resolve_max_tokens(
-                len(p.token_ids), None if echo_only else req.max_tokens, max_model_len,
-                default=_DEFAULT_MAX_TOKENS),
-            logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n)
-            for p in prompts]
+                len(p.token_ids), None if echo_only else 1 if prompt_only else req.max_tokens,
+                max_model_len, default=_DEFAULT_MAX_TOKENS),
+            logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n),
+            prompt_logprobs=prompt_logprobs) for p in prompts]
         state = request.state
+        salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
+        out = _CompletionOutput(self, req, prompts, f"cmpl-{state.request_id}")
         if echo_only:
             run = ChoiceRun(prompts, [], static_deltas([
                 ChoiceDelta(i, "", 0, None, "length") for i in range(len(prompts) * req.n)]))
         else:
             run = self.start(prompts, sampling, stop=req.stop_list,
                              include_stop_str_in_output=req.include_stop_str_in_output,
-                             logprobs=req.logprobs is not None, cache_salt=req.cache_salt,
+                             logprobs=req.logprobs is not None, cache_salt=salt,
                              engine_prefix=state.engine_request_prefix,
                              request_id=state.request_id)
-        out = _CompletionOutput(self, req, prompts, f"cmpl-{state.request_id}")
+            if prompt_only:
+                run = _prompt_only(run)
         return await self.respond(request, run, bool(req.stream), out.build_response,
                                   out.stream_chunks, req.include_usage, out.meta)
 
@@ -100,9 +115,11 @@ class _CompletionOutput:
         self.meta = {"id": response_id, "object": "text_completion",
                      "created": int(time.time()), "model": serving.config.served_model_name}
         self.usage_key = {"usage": None} if req.include_usage else {}
-        # OpenAI's text_offset counts from the start of the prompt.
+        # OpenAI's text_offset counts from the start of the prompt (with echo, the prompt's
+        # own tokens come first, from offset 0).
+        self.echo_logprobs = bool(req.echo) and req.logprobs is not None
         self.offsets = {i: len(serving.prompt_text(prompts[i // req.n]))
-                        if req.logprobs is not None else 0
+                        if req.logprobs is not None and not self.echo_logprobs else 0
                         for i in range(len(prompts) * req.n)}
 
     def _echo(self, index: int) -> str:
@@ -111,10 +128,12 @@ class _CompletionOutput:
     def build_response(self, run: ChoiceRun, deltas: list[ChoiceDelta]) -> dict:
         choices: dict[int, dict] = {}
         for d in deltas:
-            c = choices.setdefault(d.index, {
-                "index": d.index, "text": self._echo(d.index),
-                "logprobs": _new_logprobs() if d.logprobs is not None else None,
-                "finish_reason": None, "stop_reason": None})
+            c = choices.get(d.index)
+            if c is None:
+                c = choices[d.index] = {
+                    "index": d.index, "text": self._echo(d.index),
+                    "logprobs": self._prompt_logprobs(d) if d.logprobs is not None else None,
+                    "finish_reason": None, "stop_reason": None}
             c["text"] += d.text
             if d.logprobs is not None:
                 self._add_logprobs(c["logprobs"], d.logprobs, d.index)
@@ -129,17 +148,41 @@ class _CompletionOutput:
         delta = first
         while delta is not None:
             text = delta.text
-            if delta.index not in echoed:
+            first_of_choice = delta.index not in echoed
+            if first_of_choice:
                 echoed.add(delta.index)
                 text = self._echo(delta.index) + text
             if text or delta.logprobs or delta.finish_reason is not None:
                 lps = None if delta.logprobs is None else self._add_logprobs(
-                    _new_logprobs(), delta.logprobs, delta.index)
+                    self._prompt_logprobs(delta) if first_of_choice else _new_logprobs(),
+                    delta.logprobs, delta.index)
                 yield {**self.meta, "choices": [{
                     "index": delta.index, "text": text, "logprobs": lps,
                     "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}],
                     **self.usage_key}
             delta = await anext(run.deltas, None)
+
+    def _prompt_logprobs(self, first: ChoiceDelta) -> dict:
+        """A choice's logprobs, starting with its prompt's when echoed (vLLM's format: the
+        first prompt token has a null logprob and null top_logprobs).
+
+        Raises:
+            GatewayError: 503 when the engine did not return the prompt's logprobs.
+        """
+        out = _new_logprobs()
+        if not self.echo_logprobs:
+            return out
+        prompt = self.prompts[first.index // self.n].token_ids
+        if len(first.prompt_logprobs or ()) != len(prompt) - 1:
+            raise GatewayError(f"the engine returned {len(first.prompt_logprobs or ())} prompt "
+                               f"logprobs for a {len(prompt)}-token prompt", 503)
+        token = self.serving.token_text(prompt[0])
+        out["tokens"].append(token)
+        out["token_logprobs"].append(None)
+        out["top_logprobs"].append(None)
+        out["text_offset"].append(self.offsets[first.index])
+        self.offsets[first.index] += len(token)
+        return self._add_logprobs(out, first.prompt_logprobs or [], first.index)
 
     def _add_logprobs(self, out: dict, logprobs: list[TokenLogprob], index: int) -> dict:
         token_text = self.serving.token_text
@@ -157,3 +200,28 @@ class _CompletionOutput:
 
 def _new_logprobs() -> dict:
     return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+class _Uncounted:
+    """A choice's usage view whose one generated token is dropped (echo-only logprobs)."""
+
+    num_output_tokens = 0
+
+    def __init__(self, processor: ChoiceProcessor) -> None:
+        self._processor = processor
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self._processor.num_cached_tokens
+
+
+def _prompt_only(run: ChoiceRun) -> ChoiceRun:
+    """echo + logprobs with max_tokens 0: each choice's one engine token (run only to get
+    the prompt's logprobs) is dropped: no text, no logprobs, not counted; "length"."""
+    async def deltas() -> AsyncIterator[ChoiceDelta]:
+        async with aclosing(run.deltas) as inner:
+            async for d in inner:
+                yield ChoiceDelta(d.index, "", 0, [], "length", None, d.prompt_logprobs)
+
+    return ChoiceRun(run.prompts, [_Uncounted(p) for p in run.processors],  # type: ignore[misc]
+                     deltas())

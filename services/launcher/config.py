@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine_args import EngineArgs, parse_cores
 
@@ -25,6 +25,9 @@ class UpConfig:
     port: int = 8000
     """The gateway's port, the only one meant for clients."""
     api_key: str | None = None
+    internal_token: str | None = field(default=None, repr=False)
+    """Shared secret the prefill and decode services require and the gateway (and decode,
+    to prefill) sends; None: the internal gRPC calls carry no token."""
     num_prefill: int = 1
     num_decode: int = 1
     cpu_cores: tuple[int, ...] = ()
@@ -71,6 +74,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` (or set PDSERVE_API_KEY)")
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("launcher")
+    g.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
+                   help="shared secret for the gRPC calls between the gateway, prefill and "
+                        "decode (or set PDSERVE_INTERNAL_TOKEN); default: none")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill replicas")
     g.add_argument("--num-decode", type=int, default=1, help="decode replicas")
     g.add_argument("--prefill-cpu-cores", default=None,
@@ -96,6 +102,7 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     config = UpConfig(
         engine_args=dataclasses.replace(engine_args, cpu_cores=""),
         host=ns.host, port=ns.port, api_key=ns.api_key or None,
+        internal_token=ns.internal_token or None,
         num_prefill=ns.num_prefill, num_decode=ns.num_decode,
         cpu_cores=parse_cores(engine_args.cpu_cores),
         prefill_cpu_cores=_cores(ns.prefill_cpu_cores),

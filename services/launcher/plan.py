@@ -28,7 +28,7 @@ ProbeKind = Literal["redis", "grpc", "http"]
 _PER_INSTANCE_ENV = ("PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_METRICS_PORT",
                      "PDSERVE_INSTANCE_ID", "PDSERVE_ADVERTISE_ADDRESS", "PDSERVE_REDIS_URL",
                      "PDSERVE_PREFILL_URL", "PDSERVE_DECODE_URL", "PDSERVE_API_KEY",
-                     "PDSERVE_CPU_CORES")
+                     "PDSERVE_CPU_CORES", "PDSERVE_INTERNAL_TOKEN")
 
 
 class Probe(NamedTuple):
@@ -143,6 +143,9 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                                served_model_name=served_model_name, cpu_cores="")
     grace = max(1.0, config.shutdown_timeout - 5.0)
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
+    # NOTE: secrets go by environment, not argv, where `ps` would show them.
+    token_env = {"PDSERVE_INTERNAL_TOKEN": config.internal_token} if config.internal_token \
+        else {}
     for role, n, base, metrics_base, cores in (
             ("prefill", n_p, config.prefill_port, config.prefill_metrics_port, split.prefill),
             ("decode", n_d, config.decode_port, config.decode_metrics_port, split.decode)):
@@ -157,7 +160,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
             if cores[i]:
                 argv += ["--cpu-cores", format_cores(cores[i])]
             children.append(ChildSpec(f"{role}-{i}", tuple(argv), Probe("grpc", address),
-                                      stage=1, ports=(port, metrics_port), cores=cores[i]))
+                                      stage=1, ports=(port, metrics_port), cores=cores[i],
+                                      env=token_env))
     gateway_url = f"http://{connect_host(config.host)}:{config.port}"
     argv = [python, "-m", "shared.cli", "serve", "gateway", "--host", config.host,
             "--port", str(config.port), "--model", model_path,
@@ -167,8 +171,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
             "--block-size", str(args.block_size), "--log-level", config.log_level.lower()]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
-    # NOTE: the key goes by environment, not argv, where `ps` would show it.
     env = {"PDSERVE_API_KEY": config.api_key} if config.api_key else {}
+    env.update(token_env)
     children.append(ChildSpec("gateway", tuple(argv), Probe("http", gateway_url + "/health"),
                               stage=0, ports=(config.port,), env=env))
     return Plan(tuple(children), gateway_url, redis_url, served_model_name)

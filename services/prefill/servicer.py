@@ -11,6 +11,7 @@ from services.common.convert import (
     FINISH_REASONS,
     handle_to_proto,
     logprobs_to_proto,
+    prompt_logprobs_to_proto,
     sampling_params_from_proto,
 )
 from services.common.errors import abort_with
@@ -52,6 +53,7 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
             response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
         if result.handle is not None:
             response.kv_transfer_params.CopyFrom(handle_to_proto(result.handle))
+        response.prompt_logprobs.extend(prompt_logprobs_to_proto(result.prompt_logprobs))
         logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", rid,
                     len(request.prompt_token_ids), result.num_cached_tokens,
                     result.first_token_id,

@@ -42,6 +42,8 @@ class PrefillResult(NamedTuple):
     """Set when the first token already ends the request (no handle then: blocks freed)."""
     num_cached_tokens: int
     handle: KVHandle | None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With sampling_params.prompt_logprobs: one per prompt token, the first None."""
 
 
 @dataclass(slots=True)
@@ -153,7 +155,8 @@ class PrefillWorker(EngineWorker):
                 request.num_prompt_tokens, 1, first_token_time - arrival)
             return PrefillResult(request_id, last.new_token_ids[0],
                                  last.new_logprobs[0] if last.new_logprobs else None, finish,
-                                 max(request.num_cached_tokens, 0), handle)
+                                 max(request.num_cached_tokens, 0), handle,
+                                 last.prompt_logprobs)
         finally:
             try:
                 if not pinned:

@@ -94,7 +94,25 @@ class EngineCore:
             return []
         sampled = self.model_runner.execute_model(scheduler_output)
         deltas = self.scheduler.update_from_output(scheduler_output, sampled)
+        deltas = _attach_prompt_logprobs(scheduler_output, deltas)
         finished = [d.request_id for d in deltas if d.finished]
         if finished:
             self.model_runner.remove_requests(finished)
         return deltas
+
+
+def _attach_prompt_logprobs(scheduler_output, deltas: list) -> list:
+    """Hand each request's prompt logprobs out once, with its first output after they are
+    complete (the step that finished its prompt)."""
+    pending = {s.request.request_id: s.request for s in scheduler_output.scheduled
+               if s.request.prompt_logprobs is not None and not s.request.prompt_logprobs_sent}
+    if not pending:
+        return deltas
+    out = []
+    for delta in deltas:
+        request = pending.get(delta.request_id)
+        if request is not None and delta.new_token_ids:
+            request.prompt_logprobs_sent = True
+            delta = delta._replace(prompt_logprobs=list(request.prompt_logprobs))
+        out.append(delta)
+    return out

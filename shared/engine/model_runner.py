@@ -14,6 +14,11 @@ import torch
 from shared.config import CacheConfig, ModelConfig, ParallelConfig
 from shared.engine.attention import PagedAttention
 from shared.engine.attn_metadata import AttentionMetadata
+from shared.engine.prompt_logprobs import (
+    PromptLogprobsJob,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from shared.engine.sampler import Sampler, SamplingMetadata
 from shared.models.llama import LlamaArgs
 from shared.models.loader import load_model
@@ -54,6 +59,8 @@ class PreparedInputs(NamedTuple):
     logits_indices: torch.Tensor
     """[num_sampled] int64: the batch row of each request's last token that samples."""
     sampled_requests: list
+    prompt_logprobs_jobs: list[PromptLogprobsJob]
+    """Prompt positions whose logprobs this step computes (requests asking for them)."""
 
 
 class ModelRunner:
@@ -134,17 +141,24 @@ class ModelRunner:
             attn_metadata=meta,
             logits_indices=torch.from_numpy(logits_indices).to(dev),
             sampled_requests=[scheduled[i].request for i in sampled],
+            prompt_logprobs_jobs=plan_prompt_logprobs(scheduled, query_start_loc),
         )
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Run one step; returns request_id -> (sampled token, logprobs) for sampling rows."""
+        """Run one step; returns request_id -> (sampled token, logprobs) for sampling rows.
+
+        Prompt logprobs of the scheduled prompt positions are written into the requests
+        themselves (`Request.prompt_logprobs`, see shared/engine/prompt_logprobs.py)."""
         if not scheduler_output.scheduled:
             return {}
         inputs = self.prepare_inputs(scheduler_output.scheduled)
         attn = PagedAttention(inputs.attn_metadata, self.attention_backend, self.block_size,
                               self.args.num_kv_heads)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn)
+        if inputs.prompt_logprobs_jobs:
+            compute_prompt_logprobs(self.model.compute_logits, hidden,
+                                    inputs.prompt_logprobs_jobs)
         if not inputs.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -187,7 +187,9 @@ class Scheduler:
                and len(self.running) < config.max_num_seqs):
             request = self.waiting[0]
             hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            # NOTE: prompt logprobs need every prompt position's logits: no prefix-cache hits.
+            if request.num_computed_tokens == 0 and \
+                    request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens + num_hit_tokens, token_budget)

@@ -46,6 +46,9 @@ class RequestOutputDelta(NamedTuple):
     """None while the request goes on."""
     stop_reason: int | None
     """The stop_token_ids entry that ended it; None otherwise (EOS included, as in vLLM)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first output of a request asking for prompt logprobs: one per prompt token,
+    the first None (see shared/engine/prompt_logprobs.py)."""
 
     @property
     def finished(self) -> bool:

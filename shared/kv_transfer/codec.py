@@ -140,16 +140,20 @@ def encode_kv_blocks(kv_caches: KVCaches, block_ids: Sequence[int], block_indice
 
 
 def decode_kv_chunk(chunk: KVChunkData, layout: KVLayout) -> torch.Tensor:
-    """Check a chunk against `layout`; return its data as a tensor view (no copy).
+    """Check a chunk against `layout` (the handle's, which the receiver checked equals its
+    own); return its data as a tensor view `[num_layers, 2, n, block_size, H, D]` (no copy).
 
     Raises:
-        KVCodecError: naming the field that disagrees.
+        KVCodecError: naming the field that disagrees: dtype, no or repeated block indices,
+            layer range outside [0, num_layers), shape, or byte length.
     """
     if chunk.dtype != layout.dtype:
         raise KVCodecError(f"chunk dtype is {chunk.dtype!r}, expected {layout.dtype!r}")
     n = len(chunk.block_indices)
     if n == 0:
         raise KVCodecError("chunk has no block_indices")
+    if len(set(chunk.block_indices)) != n:
+        raise KVCodecError(f"chunk repeats a block index within itself: {chunk.block_indices}")
     num_layers = chunk.shape[0] if chunk.shape else 0
     if chunk.layer_start < 0 or num_layers < 1 \
             or chunk.layer_start + num_layers > layout.num_layers:

@@ -1,19 +1,22 @@
 """End-to-end: the real gateway (uvicorn, official `openai` client) in front of real prefill
 and decode services (issue 4's acceptance): offline parity, D11 batch invariance, D10
-disconnect cleanup, cached_tokens, and a malformed request."""
+disconnect cleanup, cached_tokens, a malformed request; and (issue 6) overload at 4x
+the queue on real engines."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import threading
 import time
 
 import openai
 import pytest
 
-from tests.e2e.conftest import PARITY_CASES, PARITY_MAX_TOKENS
-from tests.services.gateway.conftest import SERVED_MODEL
-from tests.services.helpers import get_states
+from tests.e2e.conftest import PARITY_CASES, PARITY_MAX_TOKENS, Urls
+from tests.services.gateway.conftest import SERVED_MODEL, running_gateway
+from tests.services.helpers import get_states, wait_leak_free
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -164,3 +167,64 @@ async def test_malformed_request_gets_400_then_service_works(real_gateway):
     assert r.status_code == 400 and "error" in r.json()
     ok = await chat(client, SWIM, 8)
     assert ok.choices[0].message.content and ok.usage.completion_tokens == 8
+
+
+async def test_overload_on_real_engines_429_then_all_complete(model_path, real_cluster):
+    """Issue 6 at 4x overload on REAL engines: a gateway with a queue of 4 gets 16 streams at
+    once; the excess answers 429 + Retry-After, every accepted stream completes with the
+    undisturbed greedy answer, /health answers within 1 s throughout, nothing leaks."""
+    queue, clients, bound = 4, 16, 1.0
+    urls = Urls((real_cluster.prefill.identity.address,),
+                (real_cluster.decode.identity.address,))
+    body = {"model": SERVED_MODEL, "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True}
+    async with running_gateway(model_path, urls, rpc_timeout=10.0,  # type: ignore[arg-type]
+                               max_num_queued_requests=queue) as gw:
+        reference = (await gw.http.post("/v1/completions", json=body, timeout=120)).json()
+        want = reference["choices"][0]["text"]
+        worst, polls, stop = [0.0], [0], threading.Event()
+
+        def probe() -> None:
+            import httpx
+  # its own thread and client: measures what a prober sees
+            with httpx.Client(base_url=gw.url, timeout=5) as c:
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    assert c.get("/health").status_code == 200
+                    worst[0] = max(worst[0], time.monotonic() - t0)
+                    polls[0] += 1
+                    stop.wait(0.1)
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+
+        async def one() -> tuple[int, str | None, str]:
+            async with gw.http.stream("POST", "/v1/completions", timeout=120,
+                                      json={**body, "stream": True}) as r:
+                if r.status_code != 200:
+                    return r.status_code, r.headers.get("retry-after"), (await r.aread()).decode()
+                text = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        assert "error" not in chunk, chunk
+                        text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+                return 200, None, text
+
+        try:
+            results = await asyncio.gather(*(one() for _ in range(clients)))
+        finally:
+            stop.set()
+            prober.join(10)
+    accepted = [t for s, _, t in results if s == 200]
+    refused = [(s, ra, t) for s, ra, t in results if s != 200]
+    print(f"\noverload(real): clients={clients} queue={queue} accepted={len(accepted)} "
+          f"429={len(refused)} health_polls={polls[0]} health_worst={worst[0]:.3f}s")
+    assert refused and all(s == 429 and ra and int(ra) >= 1 and '"error"' in t
+                           for s, ra, t in refused), refused
+    assert queue <= len(accepted) < clients
+    assert all(t == want for t in accepted)
+    assert polls[0] >= 3 and worst[0] < bound
+    states = await wait_leak_free(real_cluster, timeout=30)
+    assert all(s.num_used_blocks == 0 and s.num_pinned_blocks == 0 and s.invariants_ok
+               for s in states), states

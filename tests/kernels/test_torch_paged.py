@@ -185,3 +185,23 @@ def test_without_a_compiler_the_torch_ops_path_runs(monkeypatch: pytest.MonkeyPa
     batch = make_paged_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64)
     args = attention_args(batch, 0.125)
     assert_matches_reference(torch_paged.paged_attention(*args), reference.paged_attention(*args))
+
+
+def test_loading_the_c_kernel_keeps_denormals():
+    """Loading the compiled kernel must not switch the process to flush-to-zero /
+    denormals-are-zero (gcc's crtfastmath.o does that when -ffast-math reaches the link)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from kernels.cpu_native import load_native_kernel\n"
+        "k = load_native_kernel(32, 2, 3)\n"
+        "tiny = float('1e-310')\n"
+        "t = torch.tensor([1e-40], dtype=torch.float32)\n"
+        "print(k is not None, tiny * 1.5 > 0, float(t * 1.5) > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    if out[0] != "True":
+        pytest.skip("no C compiler: the kernel was not built")
+    assert out[1:] == ["True", "True"], out

@@ -123,3 +123,55 @@ def test_tracker_refuses_repeats_and_counts_what_is_missing():
     assert tracker.num_missing_blocks == 1 and not tracker.complete
     with pytest.raises(KVCodecError, match="duplicates"):
         TransferTracker(layout, [0, 0])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c._replace(block_indices=[1, 1]), "repeats a block index"),
+    (lambda c: c._replace(layer_start=-1), "layers"),
+    (lambda c: c._replace(shape=()), "layers"),
+    (lambda c: c._replace(shape=c.shape[:5]), "shape"),
+    (lambda c: c._replace(shape=c.shape[:2] + (3,) + c.shape[3:]), "shape"),
+    (lambda c: c._replace(data=c.data + bytes(4)), "bytes"),
+    (lambda c: c._replace(data=b""), "bytes"),
+    (lambda c: c._replace(block_indices=[0, -1]), "not requested"),
+    (lambda c: c._replace(dtype="int8"), "dtype"),
+])
+def test_tracker_refuses_more_malformed_chunks(change, message):
+    layout = KVLayout(2, 4, 2, 8, "float32")
+    tracker = TransferTracker(layout, [0, 1, 2])
+    with pytest.raises(KVCodecError, match=message):
+        tracker.accept(change(_good_chunk(layout, [0, 1])))
+    assert tracker.num_missing_blocks == 3 and tracker.num_bytes == 0
+
+
+@pytest.mark.parametrize("sender, message", [
+    ((2, 6, 4, 2, 8, torch.bfloat16), "dtype"),       # another dtype
+    ((2, 6, 4, 3, 8, torch.float32), "shape"),        # more KV heads
+    ((2, 6, 4, 2, 16, torch.float32), "shape"),       # another head_dim
+    ((2, 6, 8, 2, 8, torch.float32), "shape"),        # another block size
+    ((3, 6, 4, 2, 8, torch.float32), "layers"),       # more layers
+])
+def test_chunks_encoded_in_another_layout_than_the_handle_are_refused(sender, message):
+    """A prefill whose cache geometry is not the handle's (the receiver's): every chunk it
+    encodes is refused before a byte is written."""
+    *shape, dtype = sender
+    handle_layout = KVLayout(2, 4, 2, 8, "float32")
+    tracker = TransferTracker(handle_layout, [0, 1])
+    chunks = list(encode_kv_blocks(_caches(*shape, dtype), [3, 4], [0, 1]))
+    for chunk in chunks:
+        with pytest.raises(KVCodecError, match=message):
+            tracker.accept(chunk)
+    assert tracker.num_missing_blocks == 2
+
+
+def test_overlapping_layer_ranges_are_refused():
+    layout = KVLayout(4, 4, 2, 8, "float32")
+    caches = _caches(4, 6, 4, 2, 8, torch.float32)
+    tracker = TransferTracker(layout, [0])
+    first, second = encode_kv_blocks(caches, [2], [0], 2 * layout.bytes_per_block_layer)
+    tracker.accept(first)  # layers [0, 2)
+    overlapping = KVChunkData(second.block_indices, 1, second.dtype, second.shape, second.data)
+    with pytest.raises(KVCodecError, match="repeats"):
+        tracker.accept(overlapping)  # layers [1, 3)
+    tracker.accept(second)  # layers [2, 4)
+    assert tracker.complete

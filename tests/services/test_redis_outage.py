@@ -1,12 +1,15 @@
 """Redis goes away in the middle of a run: requests keep succeeding; once it is back (empty,
-as after a restart) each instance republishes and the index matches its cache again."""
+as after a restart) each instance republishes and the index matches its cache again. The
+`pdserve_redis_up` gauge of each instance's /metrics follows: 1, 0 during the outage, 1."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 
+import httpx
 import pytest
 
 from shared.proto import engine_pb2 as pb
@@ -26,6 +29,7 @@ async def test_requests_survive_a_redis_outage_and_the_index_recovers(cluster, r
                                      for i, p in enumerate(_prompts(1, 4))))
     assert all(r.finish_reason == pb.FINISH_REASON_LENGTH for r in results)
     assert await index_matches(cluster)
+    assert await _wait_redis_up(cluster, 1) == [1, 1]
 
     redis.stop()
     results = await asyncio.gather(*(run_split(cluster, f"during-{i}", p, greedy(6))
@@ -35,11 +39,14 @@ async def test_requests_survive_a_redis_outage_and_the_index_recovers(cluster, r
     assert await cluster.index.longest_prefix([b"\0" * 16]) == {}
     assert await cluster.index.live_instances() == []
     assert not cluster.prefill.index.is_up or not cluster.decode.index.is_up
+    # Within a heartbeat (0.2 s here) every instance has tried Redis and reports it down.
+    assert await _wait_redis_up(cluster, 0) == [0, 0]
 
     redis.start()  # same port, no data: as after a crash
     for runtime in cluster.runtimes:
         assert await cached_hashes(runtime), "nothing to republish: the check would be void"
     assert await index_matches(cluster)
+    assert await _wait_redis_up(cluster, 1) == [1, 1]
     live = await _wait_live(cluster, 2)
     assert {i.instance_id for i in live} == {r.identity.instance_id for r in cluster.runtimes}
     results = await asyncio.gather(*(run_split(cluster, f"after-{i}", p, greedy(6))
@@ -55,3 +62,20 @@ async def _wait_live(cluster, count: int, timeout: float = 20.0):
         if len(live) >= count or time.monotonic() > deadline:
             return live
         await asyncio.sleep(0.1)
+
+
+async def _redis_up(runtime) -> int | None:
+    """The instance's pdserve_redis_up, read from its real Prometheus endpoint."""
+    async with httpx.AsyncClient(timeout=10) as http:
+        text = (await http.get(f"http://127.0.0.1:{runtime.metrics_port}/metrics")).text
+    match = re.search(r"^pdserve_redis_up\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    return None if match is None else int(float(match.group(1)))
+
+
+async def _wait_redis_up(cluster, value: int, timeout: float = 20.0) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [await _redis_up(r) for r in cluster.runtimes]
+        if got == [value] * len(got) or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.05)

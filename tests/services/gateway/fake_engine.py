@@ -6,7 +6,8 @@ where `script` is SCRIPT_TEXT tokenized by the real tokenizer followed by EOS; o
 when greedy, derived from the seed when seeded, and from the request id otherwise. It honours
 max_tokens (counting the prefill's first token), EOS (unless ignore_eos), stop_token_ids and
 min_tokens, returns deterministic logprobs that differ per position, records every call,
-Abort and cancelled stream, and can be told to fail with a gRPC status.
+Abort and cancelled stream, and can be told to fail with a gRPC status (at once, or a decode
+stream after some tokens: `Recorder.break_after`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ class FakeModel:
         return engine_pb2.TokenLogprobs(token_id=token, logprob=lp, top_token_ids=top[:k],
                                         top_logprobs=[lp - 0.5 * i for i in range(k)])
 
+    def prompt_logprobs(self, prompt, params: engine_pb2.SamplingParams
+                        ) -> list[engine_pb2.TokenLogprobs]:
+        """One per prompt token after the first when asked for (scripted as positions
+        1000 + index)."""
+        if not params.HasField("prompt_logprobs"):
+            return []
+        return [self.logprobs(t, 1000 + i, params.prompt_logprobs)
+                for i, t in enumerate(prompt[1:])]
+
     def step(self, request_id: str, params: engine_pb2.SamplingParams, num_prompt: int,
              p: int) -> tuple[int, engine_pb2.TokenLogprobs | None, int]:
         t = self.token(request_id, params, p)
@@ -86,6 +96,9 @@ class Recorder:
     released: list[str] = field(default_factory=list)
     active: set[str] = field(default_factory=set)
     fail_with: grpc.StatusCode | None = None
+    break_after: int | None = None
+    """Generate: fail each stream with `break_with` after this many tokens of its own."""
+    break_with: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     delay: float = 0.0
     """Seconds before each generated token (Prefill: before answering)."""
 
@@ -136,9 +149,10 @@ class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
             block_ids=list(range(1, len(prompt) // bs + 2)), num_tokens=len(prompt),
             dtype="float32", block_size=bs, model=MODEL)
         call["finished"] = True
-        return engine_pb2.PrefillResponse(request_id=request.request_id, first_token_id=t,
-                                          first_logprobs=lp, kv_transfer_params=kv,
-                                          num_cached_tokens=cached, finish_reason=finish)
+        return engine_pb2.PrefillResponse(
+            request_id=request.request_id, first_token_id=t, first_logprobs=lp,
+            kv_transfer_params=kv, num_cached_tokens=cached, finish_reason=finish,
+            prompt_logprobs=self.model.prompt_logprobs(prompt, request.sampling_params))
 
     async def ReleaseKV(self, request, context):
         self.rec.released.append(request.request_id)
@@ -170,7 +184,13 @@ class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
             chunk = engine_pb2.TokenChunk(request_id=rid)
             if first and not request.HasField("kv_transfer_params"):
                 chunk.num_cached_tokens = 0
+                chunk.prompt_logprobs.extend(
+                    self.model.prompt_logprobs(request.prompt_token_ids, params))
             for _ in range(self.tokens_per_chunk):
+                if self.rec.break_after is not None and \
+                        p - len(request.output_token_ids) >= self.rec.break_after:
+                    call["finished"] = True  # a failure, not a cancel by the client
+                    await context.abort(self.rec.break_with, "fake stream broken")
                 await asyncio.sleep(self.rec.delay)
                 t, lp, finish = self.model.step(rid, params, n, p)
                 p += 1

@@ -1,0 +1,98 @@
+"""Readiness apart from liveness: a watchdog that turns health NOT_SERVING while the engine's
+step loop is stalled with work queued, and back to SERVING when it makes progress again.
+
+    liveness:   the gRPC server answers (grpc.health Check answers at all)
+    readiness:  Check says SERVING: loaded, not draining, and not stalled, where
+                stalled = work queued (running / waiting requests or pending engine ops)
+                          and no completed step for longer than `stall_timeout` seconds
+
+The watchdog reads two fields the engine thread writes (AsyncEngine.last_step_time and the
+scheduler's queues) without calling into the engine thread, so a stuck thread cannot hang it.
+Detection latency: at most stall_timeout + stall_check_interval.
+
+Test hook: `stall_file_hook(path)` (ServiceConfig.test_stall_file, env
+PDSERVE_TEST_STALL_FILE) makes the engine thread sleep before each step that has requests
+to run while `path` exists: the loop stalls without anything else changing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+from shared.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+_STALL_POLL_S = 0.02
+
+
+class StallWatchdog:
+    """Calls `on_change(stalled, seconds)` when the engine enters or leaves a stall.
+
+    Args:
+        engine: the instance's engine (its thread is the one watched).
+        stall_timeout: seconds without progress, with work queued, that count as a stall.
+        interval: seconds between looks.
+        on_change: awaited with (True, seconds since progress) when a stall starts and
+            (False, stall duration) when it ends.
+    """
+
+    def __init__(self, engine: AsyncEngine, stall_timeout: float, interval: float,
+                 on_change: Callable[[bool, float], Awaitable[None]]) -> None:
+        self.engine = engine
+        self.stall_timeout = stall_timeout
+        self.interval = interval
+        self.on_change = on_change
+        self.stalled = False
+        self._stalled_since = 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def check(self) -> bool:
+        """One look; returns whether the engine is stalled now."""
+        idle_for = self.engine.seconds_since_progress()
+        if not self.stalled and idle_for > self.stall_timeout:
+            self.stalled, self._stalled_since = True, time.monotonic() - idle_for
+            logger.error("engine stalled: no step completed for %.1f s with work queued "
+                         "(--stall-timeout %g); health NOT_SERVING", idle_for,
+                         self.stall_timeout)
+            await self.on_change(True, idle_for)
+        elif self.stalled and idle_for <= self.stall_timeout:
+            self.stalled = False
+            duration = time.monotonic() - self._stalled_since
+            logger.warning("engine progressing again after a %.1f s stall; health SERVING",
+                           duration)
+            await self.on_change(False, duration)
+        return self.stalled
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the watchdog take the service down
+                logger.exception("stall watchdog check failed")
+            await asyncio.sleep(self.interval)
+
+
+def stall_file_hook(engine: AsyncEngine, path: str) -> Callable[[], None]:
+    """The test hook: while `path` exists and the engine has requests, sleep (engine thread)."""
+    def hook() -> None:
+        # NOTE: _stopped: a shutdown must not wait for the file to go away.
+        while os.path.exists(path) and engine.engine.has_unfinished_requests() \
+                and not engine._stopped:
+            time.sleep(_STALL_POLL_S)
+    return hook

@@ -1,0 +1,152 @@
+"""HealthTracker: the gateway's view of which prefill and decode instances can take work.
+
+    poll loop (every health_check_interval s, started lazily on the running loop)
+      └─ grpc.health.v1 Check("") of every known instance, one call in flight per address
+    mark_failed(address)      a call to it just failed: excluded at once, re-checked at once
+    refresh(addresses, bound) live checks that wait at most `bound` seconds (/health,
+                              placement when nothing is usable)
+
+Status per address: SERVING, NOT_SERVING (loading, draining, stalled), UNREACHABLE (no
+answer within the check timeout, or a failed call), UNKNOWN (never checked). Placement uses
+every instance that is not NOT_SERVING or UNREACHABLE; `/health` wants SERVING.
+
+NOTE: a SERVING answer to a check that started before the latest `mark_failed` of its address
+is dropped: it may describe the instance from before the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from grpc_health.v1 import health_pb2
+
+from services.gateway.backend import EngineBackend
+
+logger = logging.getLogger(__name__)
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+MISSES_UNTIL_UNREACHABLE = 2
+"""Unanswered polls in a row before a SERVING instance counts as UNREACHABLE."""
+
+
+class InstanceStatus(enum.Enum):
+    UNKNOWN = "unknown"
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"
+    UNREACHABLE = "unreachable"
+
+    @property
+    def usable(self) -> bool:
+        """May placement send work there? (UNKNOWN: yes, until a check says otherwise.)"""
+        return self in (InstanceStatus.UNKNOWN, InstanceStatus.SERVING)
+
+
+class HealthTracker:
+    def __init__(self, backend: EngineBackend, instances: Callable[[], Awaitable[list[str]]],
+                 interval: float = 1.0, check_timeout: float = 5.0) -> None:
+        """`instances()` lists every address to poll (prefill and decode);
+        `check_timeout`: seconds a polled instance has to answer before it is UNREACHABLE."""
+        self.backend = backend
+        self.instances = instances
+        self.interval = interval
+        self.check_timeout = check_timeout
+        self._status: dict[str, InstanceStatus] = {}
+        self._failed_at: dict[str, float] = {}
+        self._misses: dict[str, int] = {}
+        """Consecutive unanswered polls per address (a busy instance may miss one)."""
+        self._checks: dict[str, asyncio.Task] = {}
+        """The latest check of each address; `_tasks` holds every one still running."""
+        self._tasks: set[asyncio.Task] = set()
+        self._poller: asyncio.Task | None = None
+        self._closed = False
+
+    def status(self, address: str) -> InstanceStatus:
+        return self._status.get(address, InstanceStatus.UNKNOWN)
+
+    def is_usable(self, address: str) -> bool:
+        return self.status(address).usable
+
+    def ensure_started(self) -> None:
+        """Start the poll loop on the running event loop (idempotent; not after close)."""
+        if not self._closed and (self._poller is None or self._poller.done()):
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    def mark_failed(self, address: str) -> None:
+        """A call to `address` failed: exclude it now and check it again at once."""
+        self._failed_at[address] = time.monotonic()
+        self._set(address, InstanceStatus.UNREACHABLE, "a call failed")
+        self._checks.pop(address, None)  # an older check's answer may predate the failure
+        if not self._closed:
+            self._check(address)
+
+    async def refresh(self, addresses: Iterable[str], bound: float) -> None:
+        """Check `addresses` now, waiting at most `bound` seconds; an instance that has not
+        answered by then keeps its last known status (its check goes on in the background)."""
+        tasks = [self._check(a) for a in dict.fromkeys(addresses)]
+        if tasks:
+            await asyncio.wait(tasks, timeout=bound)
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [t for t in (self._poller, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._checks.clear()
+
+    def _check(self, address: str) -> asyncio.Task:
+        """The in-flight check of `address`, started if there is none."""
+        task = self._checks.get(address)
+        if task is None or task.done():
+            task = self._checks[address] = asyncio.get_running_loop().create_task(
+                self._run_check(address))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _run_check(self, address: str) -> None:
+        started = time.monotonic()
+        try:
+            status = await self.backend.health_status(address, self.check_timeout)
+        except Exception as e:  # e.g. the channel is being closed: count it as no answer
+            logger.debug("health check of %s failed: %r", address, e)
+            status = None
+        finally:
+            if self._checks.get(address) is asyncio.current_task():
+                del self._checks[address]
+        if status is None:
+            # NOTE: one missed poll of a SERVING instance is forgiven: on a loaded machine a
+            # busy engine process can answer late; a failed call (mark_failed) still counts
+            # at once.
+            misses = self._misses[address] = self._misses.get(address, 0) + 1
+            if misses >= MISSES_UNTIL_UNREACHABLE or self.status(address) is not \
+                    InstanceStatus.SERVING:
+                self._set(address, InstanceStatus.UNREACHABLE, f"no answer ({misses}x)")
+            return
+        self._misses.pop(address, None)
+        if status == _SERVING:
+            if started >= self._failed_at.get(address, float("-inf")):
+                self._set(address, InstanceStatus.SERVING, "SERVING")
+        else:
+            self._set(address, InstanceStatus.NOT_SERVING,
+                      health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+
+    def _set(self, address: str, status: InstanceStatus, why: str) -> None:
+        old = self._status.get(address, InstanceStatus.UNKNOWN)
+        self._status[address] = status
+        if old is not status:
+            log = logger.info if status is InstanceStatus.SERVING else logger.warning
+            log("instance %s: %s -> %s (%s)", address, old.value, status.value, why)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                for address in await self.instances():
+                    self._check(address)
+            except Exception:  # the registry may be down: keep polling what we can
+                logger.exception("health poll failed")
+            await asyncio.sleep(self.interval)

@@ -1,0 +1,103 @@
+"""The gateway's OpenAPI 3.1 document (`GET /openapi.json`), built from its routes.
+
+Every route of the app becomes a path; the request bodies are the JSON schemas of the
+pydantic models in protocol.py (`model_json_schema`), and every error is the OpenAI error
+object (`ErrorResponse`). All routes but /health need `Authorization: Bearer <api key>`
+when the gateway has API keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+from starlette.routing import BaseRoute, Route
+
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
+
+_REF = "#/components/schemas/{model}"
+_PUBLIC = frozenset({"/health"})
+REQUEST_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+_SUMMARIES = {
+    "/v1/models": "The served model.",
+    "/v1/completions": "OpenAI completions (text or token-id prompts; `stream` for SSE).",
+    "/v1/chat/completions": "OpenAI chat completions (`stream` for SSE).",
+    "/tokenize": "Token ids of a prompt or of chat messages.",
+    "/detokenize": "Text of token ids.",
+    "/health": "200 when a prefill and a decode instance serve, else 503 (no API key).",
+    "/metrics": "Prometheus metrics of the gateway.",
+    "/openapi.json": "This document.",
+}
+_STREAMING = frozenset({"/v1/completions", "/v1/chat/completions"})
+_STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key",
+             "404": "Unknown model or route", "413": "Body over --max-body-size",
+             "429": "Waiting queue full: retry after the `Retry-After` header's seconds",
+             "503": "No prefill / decode instance available"}
+
+
+def _error_response(description: str) -> dict:
+    return {"description": description, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
+
+
+def _ok_response(path: str) -> dict:
+    if path == "/metrics":
+        return {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    if path == "/health":
+        return {"description": "Ready"}
+    content = {"application/json": {"schema": {"type": "object"}}}
+    if path in _STREAMING:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"description": "OK", "content": content}
+
+
+def _operation(path: str, method: str) -> dict:
+    op: dict = {"summary": _SUMMARIES.get(path, path),
+                "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('.', '_')}",
+                "responses": {"200": _ok_response(path)}}
+    model = REQUEST_MODELS.get(path)
+    if model is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(model=model.__name__)}}}}
+        op["responses"].update({code: _error_response(text) for code, text in _STATUSES.items()
+                                if code != "401" or path not in _PUBLIC})
+    else:
+        op["responses"]["default"] = _error_response("An OpenAI error object")
+    if path in _PUBLIC:
+        op["security"] = []
+    elif "401" not in op["responses"]:
+        op["responses"]["401"] = _error_response(_STATUSES["401"])
+    return op
+
+
+def build_openapi(routes: Iterable[BaseRoute], *, title: str, version: str) -> dict:
+    """The OpenAPI 3.1 document of `routes` (starlette Routes; others are skipped)."""
+    models = [*REQUEST_MODELS.values(), ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in models], ref_template=_REF)
+    paths: dict[str, dict] = {}
+    for route in routes:
+        if not isinstance(route, Route):
+            continue
+        methods = sorted(m.lower() for m in (route.methods or {"GET"}) if m != "HEAD")
+        paths[route.path] = {m: _operation(route.path, m) for m in methods}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version,
+                 "description": "pdserve's OpenAI-compatible gateway."},
+        "paths": paths,
+        "components": {"schemas": defs.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }

@@ -1,0 +1,204 @@
+"""Failover end to end (issue 6): one prefill and two decode PROCESSES (`pdserve serve`, the
+real model) behind the real gateway (in-process uvicorn, static instance lists).
+
+The tests run in file order on one cluster and each kills a process:
+1. kill -9 of a decode process while 8 greedy streams run: every client gets the answer of an
+   undisturbed run (same 8 requests first), with no error event;
+2. kill -9 of the prefill process: requests still succeed (the decode instance prefills);
+3. kill -9 of the last decode process: the in-flight stream ends with an OpenAI error event
+   and [DONE]; a new request gets 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import pytest_asyncio
+
+from tests.conftest import PARITY_MESSAGES
+from tests.e2e.conftest import Urls
+from tests.procs import ServiceGroup, ServiceProcess
+from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+MAX_TOKENS = 48
+KILL_AFTER_TOKENS = 8
+"""Kill once every unfinished stream has received this many content chunks (~tokens)."""
+NUMBERS: dict[str, object] = {}
+"""What the tests measured (printed at the end of the module, for docs/reliability.md)."""
+REFERENCE: list = []
+"""The undisturbed answers to PARITY_MESSAGES (StreamResult each), run once."""
+
+
+@dataclass
+class StreamResult:
+    texts: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    """time.monotonic() of each content chunk."""
+    errors: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+    done: bool = False
+    """[DONE] arrived."""
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@dataclass
+class Cluster:
+    prefill: ServiceProcess
+    decodes: list[ServiceProcess]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_path, tmp_path_factory) -> Iterator[Cluster]:
+    with ServiceGroup(tmp_path_factory.mktemp("failover")) as group:
+        prefill = group.start("prefill", model_path)
+        decodes = [group.start("decode", model_path) for _ in range(2)]
+        group.wait_serving()
+        yield Cluster(prefill, decodes)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
+    urls = Urls((cluster.prefill.address,), tuple(d.address for d in cluster.decodes))
+    async with running_gateway(model_path, urls, rpc_timeout=10.0) as gw:  # type: ignore[arg-type]
+        yield gw
+    print("\nfailover numbers:", json.dumps(NUMBERS))
+
+
+def _body(messages: list[dict]) -> dict:
+    return {"model": SERVED_MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def _stream(gw: RunningGateway, messages: list[dict], result: StreamResult) -> None:
+    async with gw.http.stream("POST", "/v1/chat/completions", json=_body(messages),
+                              timeout=120) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result.done = True
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                result.errors.append(event["error"])
+                continue
+            if event.get("usage"):
+                result.completion_tokens = event["usage"]["completion_tokens"]
+            for choice in event["choices"]:
+                if choice["delta"].get("content"):
+                    result.texts.append(choice["delta"]["content"])
+                    result.times.append(time.monotonic())
+                result.finish_reason = choice["finish_reason"] or result.finish_reason
+
+
+async def _run_all(gw: RunningGateway, results: list[StreamResult]) -> None:
+    await asyncio.wait_for(asyncio.gather(*(
+        _stream(gw, m, r) for m, r in zip(PARITY_MESSAGES, results, strict=True))), 300)
+
+
+async def _until(predicate, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _stats(gw: RunningGateway):
+    return gw.app.state.gateway.engine.failover_stats
+
+
+async def _reference(gw: RunningGateway) -> list[StreamResult]:
+    if not REFERENCE:
+        results = [StreamResult() for _ in PARITY_MESSAGES]
+        started = time.monotonic()
+        await _run_all(gw, results)
+        NUMBERS["reference_run_s"] = round(time.monotonic() - started, 2)
+        for r in results:
+            assert r.done and not r.errors and r.finish_reason in ("stop", "length"), r
+        REFERENCE.extend(results)
+    return REFERENCE
+
+
+async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
+    reference = await _reference(gateway)
+    assert all(len(r.texts) > KILL_AFTER_TOKENS for r in reference)  # all run at the kill
+
+    victim = cluster.decodes[0]
+    results = [StreamResult() for _ in PARITY_MESSAGES]
+    started = time.monotonic()
+    run = asyncio.ensure_future(_run_all(gateway, results))
+    await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results) or run.done(),
+                 "every stream to get going")
+    assert not run.done()
+    killed_at = time.monotonic()
+    on_victim = gateway.app.state.gateway.engine.placer.num_in_flight(victim.address)
+    victim.kill()
+    await run
+    NUMBERS["failover_run_s"] = round(time.monotonic() - started, 2)
+
+    for got, ref in zip(results, reference, strict=True):
+        assert got.done and not got.errors, got.errors
+        assert got.text == ref.text
+        assert (got.finish_reason, got.completion_tokens) == \
+            (ref.finish_reason, ref.completion_tokens)
+    stats = _stats(gateway)
+    assert 1 <= stats.decode_failovers <= on_victim
+    assert stats.exhausted == 0
+    # time to recover: the longest pause a failed-over client saw around the kill
+    gaps = [max(b - a for a, b in zip(r.times, r.times[1:]) if b > killed_at)
+            for r in results if r.times[-1] > killed_at]
+    NUMBERS["decode_kill"] = {
+        "streams": len(results), "kills": 1, "streams_on_killed_instance": on_victim,
+        "decode_failovers": stats.decode_failovers, "client_errors": 0,
+        "answers_identical": len(results),
+        "worst_gap_after_kill_s": round(max(gaps), 3)}
+
+
+async def test_prefill_kill_falls_back_to_local_prefill(gateway, cluster):
+    assert any(d.alive for d in cluster.decodes), "a decode instance is needed"
+    reference = (await _reference(gateway))[:2]
+    before = _stats(gateway).prefill_retries
+    cluster.prefill.kill()
+    results = [StreamResult() for _ in reference]
+    await asyncio.gather(*(_stream(gateway, m, r)
+                           for m, r in zip(PARITY_MESSAGES[:2], results)))
+    for got, ref in zip(results, reference):
+        assert got.done and not got.errors, got.errors
+        assert (got.text, got.completion_tokens) == (ref.text, ref.completion_tokens)
+    assert (await gateway.http.get("/health")).status_code == 503  # no prefill SERVING
+    NUMBERS["prefill_kill"] = {"requests": 2, "kills": 1, "client_errors": 0,
+                               "prefill_retries": _stats(gateway).prefill_retries - before}
+
+
+async def test_last_decode_kill_ends_stream_with_error_and_new_requests_get_503(gateway,
+                                                                              cluster):
+    last = next(d for d in cluster.decodes if d.alive)
+    exhausted = _stats(gateway).exhausted
+    result = StreamResult()
+    run = asyncio.ensure_future(_stream(gateway, PARITY_MESSAGES[1], result))
+    await _until(lambda: len(result.texts) >= 4 or run.done(), "the stream to get going")
+    assert not run.done()
+    last.kill()
+    await asyncio.wait_for(run, 60)
+    assert result.done and len(result.errors) == 1
+    assert result.errors[0]["code"] == 503 and result.finish_reason is None
+    r = await gateway.http.post("/v1/chat/completions",
+                                json={**_body(PARITY_MESSAGES[0]), "stream": False,
+                                      "stream_options": None})
+    assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    assert (await gateway.http.get("/health")).status_code == 503
+    assert _stats(gateway).exhausted == exhausted + 1
+    NUMBERS["last_decode_kill"] = {"streams": 1, "kills": 1, "error_events": 1,
+                                   "new_request_status": r.status_code}
