@@ -25,6 +25,8 @@ class UpConfig:
     port: int = 8000
     """The gateway's port, the only one meant for clients."""
     api_key: str | None = None
+    gateway_flags: tuple[str, ...] = ()
+    """Extra `pdserve serve gateway` flags (queue bounds, retries, local-prefill threshold)."""
     internal_token: str | None = field(default=None, repr=False)
     """Shared secret the prefill and decode services require and the gateway (and decode,
     to prefill) sends; None: the internal gRPC calls carry no token."""
@@ -65,6 +67,24 @@ def _cores(text: str | None) -> tuple[int, ...] | None:
     return None if text in (None, "") else parse_cores(text)
 
 
+_GATEWAY_FLAGS = (
+    ("max-num-queued-requests", int, "waiting engine requests before 429"),
+    ("max-queued-tokens", int, "waiting prompt + max_tokens tokens before 429"),
+    ("max-request-retries", int, "failovers one engine request may use"),
+    ("local-prefill-threshold", int,
+     "prompts with fewer uncached tokens are prefilled on the decode instance"),
+)
+
+
+def _gateway_flags(ns: argparse.Namespace) -> tuple[str, ...]:
+    out: list[str] = []
+    for flag, _, _ in _GATEWAY_FLAGS:
+        value = getattr(ns, flag.replace("-", "_"))
+        if value is not None:
+            out += [f"--{flag}", str(value)]
+    return tuple(out)
+
+
 def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("gateway")
     g.add_argument("--host", default="127.0.0.1",
@@ -72,6 +92,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="gateway port")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or set PDSERVE_API_KEY)")
+    for flag, kind, text in _GATEWAY_FLAGS:
+        g.add_argument(f"--{flag}", type=kind, default=None,
+                       help=text + " (passed to the gateway; default: the gateway's)")
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("launcher")
     g.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
@@ -102,7 +125,7 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     config = UpConfig(
         engine_args=dataclasses.replace(engine_args, cpu_cores=""),
         host=ns.host, port=ns.port, api_key=ns.api_key or None,
-        internal_token=ns.internal_token or None,
+        gateway_flags=_gateway_flags(ns), internal_token=ns.internal_token or None,
         num_prefill=ns.num_prefill, num_decode=ns.num_decode,
         cpu_cores=parse_cores(engine_args.cpu_cores),
         prefill_cpu_cores=_cores(ns.prefill_cpu_cores),

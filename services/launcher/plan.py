@@ -171,6 +171,7 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
             "--block-size", str(args.block_size), "--log-level", config.log_level.lower()]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    argv += list(config.gateway_flags)
     env = {"PDSERVE_API_KEY": config.api_key} if config.api_key else {}
     env.update(token_env)
     children.append(ChildSpec("gateway", tuple(argv), Probe("http", gateway_url + "/health"),

@@ -110,6 +110,24 @@ def test_plan_with_given_ports_replicas_and_external_redis():
     gateway = plan.children[-1].argv
     assert gateway[gateway.index("--decode-url") + 1] == \
         "127.0.0.1:21000,127.0.0.1:21001,127.0.0.1:21002"
+    assert "--max-num-queued-requests" not in gateway  # the gateway's own default
+
+
+def test_gateway_flags_pass_through():
+    config = _config("--max-num-queued-requests", "4", "--max-queued-tokens", "9000",
+                     "--max-request-retries", "0", "--local-prefill-threshold", "32")
+    gateway = build_plan(config, "/m", "m").children[-1].argv
+    for flag, value in [("--max-num-queued-requests", "4"), ("--max-queued-tokens", "9000"),
+                        ("--max-request-retries", "0"), ("--local-prefill-threshold", "32")]:
+        assert gateway[gateway.index(flag) + 1] == value
+    # The gateway's own parser accepts the argv the launcher builds.
+    import argparse
+
+    from services.gateway.config import add_cli_args
+
+    ns = add_cli_args(argparse.ArgumentParser()).parse_args(
+        list(gateway[gateway.index("serve") + 2:]))
+    assert ns.max_num_queued_requests == 4 and ns.local_prefill_threshold == 32
 
 
 @pytest.mark.parametrize("argv,flag", [(["--num-decode", "0"], "--num-decode"),
