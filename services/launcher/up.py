@@ -198,7 +198,9 @@ def _describe(code: int | None) -> str:
 def curl_line(url: str, model: str, api_key: str | None) -> str:
     body = json.dumps({"model": model, "max_tokens": 64, "messages": [
         {"role": "user", "content": "Why is the sky blue?"}]})
-    auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
+    # NOTE: several keys (comma-separated): the example uses the first.
+    key = api_key.split(",")[0].strip() if api_key else None
+    auth = f" -H {shlex.quote('Authorization: Bearer ' + key)}" if key else ""
     return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d {shlex.quote(body)}")
 
