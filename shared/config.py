@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +15,45 @@ MAX_GRPC_MESSAGE_BYTES = DEFAULT_MAX_CHUNK_BYTES + GRPC_MESSAGE_HEADROOM
 """gRPC max send and receive message size of every server and channel between the gateway,
 prefill and decode (~4.9 MiB): the KV chunk cap plus headroom; larger messages are refused
 with RESOURCE_EXHAUSTED before they are buffered."""
+
+GRPC_KEEPALIVE_S = float(os.environ.get("PDSERVE_GRPC_KEEPALIVE_S", "10"))
+"""Seconds between HTTP/2 keepalive pings on every internal channel (gateway -> prefill and
+decode, decode -> prefill FetchKV), read once at import from `PDSERVE_GRPC_KEEPALIVE_S`
+(default 10; tests set 1). A peer that stops answering (frozen, partitioned) fails its calls
+with UNAVAILABLE after about GRPC_KEEPALIVE_S + GRPC_KEEPALIVE_TIMEOUT_S instead of hanging
+until the call's deadline."""
+GRPC_KEEPALIVE_TIMEOUT_S = min(5.0, 2 * GRPC_KEEPALIVE_S)
+"""Seconds a keepalive ping waits for its ack before the connection is closed (5 s, or twice
+the ping interval when that is shorter)."""
+
+
+def grpc_keepalive_channel_options(keepalive_s: float | None = None) -> list[tuple[str, int]]:
+    """gRPC client (channel) options: a keepalive ping every `keepalive_s` seconds (default
+    GRPC_KEEPALIVE_S), also with no call in flight and no data sent; the connection is closed,
+    failing its calls with UNAVAILABLE, when a ping is not acked within min(5, 2 * keepalive_s)
+    seconds."""
+    if keepalive_s is None:
+        keepalive_s, timeout_s = GRPC_KEEPALIVE_S, GRPC_KEEPALIVE_TIMEOUT_S
+    else:
+        timeout_s = min(5.0, 2 * keepalive_s)
+    return [("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+            # NOTE: grpcio 1.85 arms a keepalive ping's timer with this one (default 60 s),
+            # not with keepalive_timeout_ms: without it a frozen peer is found after 60 s.
+            ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
+def grpc_keepalive_server_options() -> list[tuple[str, int]]:
+    """gRPC server options that accept clients' keepalive pings, also on idle connections,
+    as often as every min(1, GRPC_KEEPALIVE_S) seconds (half that, for timer jitter), instead
+    of answering GOAWAY too_many_pings: clients with any interval of 1 s or more are fine,
+    whatever this process's own setting."""
+    min_interval_ms = int(min(1.0, GRPC_KEEPALIVE_S) * 500)
+    return [("grpc.keepalive_permit_without_calls", 1),
+            # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS in grpc_types.h
+            ("grpc.http2.min_ping_interval_without_data_ms", min_interval_ms)]
 
 
 @dataclass(frozen=True, slots=True)

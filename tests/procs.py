@@ -4,6 +4,7 @@
         prefill = group.start("prefill", model_path, "--kv-cache-memory", "256MiB")
         decode = group.start("decode", model_path)
         group.wait_serving()             # grpc.health SERVING for all, bounded
+        decode.freeze(); decode.resume() # SIGSTOP / SIGCONT (a hung or partitioned peer)
         decode.kill()                    # kill -9
     # every process still running is killed here, also when the test failed
 
@@ -67,6 +68,16 @@ class ServiceProcess:
             return self.log_path.read_text(errors="replace")[-num_chars:]
         except OSError:
             return ""
+
+    def freeze(self) -> None:
+        """SIGSTOP: the process stops answering, its sockets stay open (a hung or partitioned
+        peer). `resume()` continues it; `kill()` works on a frozen process too."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a frozen process (no-op for a running one)."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL (kill -9) and reap."""

@@ -10,6 +10,12 @@ The watchdog reads two fields the engine thread writes (AsyncEngine.last_step_ti
 scheduler's queues) without calling into the engine thread, so a stuck thread cannot hang it.
 Detection latency: at most stall_timeout + stall_check_interval.
 
+A step that is running counts as work, not as a stall, for up to IN_STEP_FACTOR x
+stall_timeout: one chunked-prefill step over a long context can legitimately take tens of
+seconds on a loaded CPU (an 8k-token prompt's last 2048-token chunk took 27.8 s on 2 cores),
+while the loop not even starting a step with work queued is what a stall looks like. A step
+hung inside the kernels is still caught, later.
+
 Test hook: `stall_file_hook(path)` (ServiceConfig.test_stall_file, env
 PDSERVE_TEST_STALL_FILE) makes the engine thread sleep before each step that has requests
 to run while `path` exists: the loop stalls without anything else changing.
@@ -28,6 +34,8 @@ from shared.engine.async_engine import AsyncEngine
 logger = logging.getLogger(__name__)
 
 _STALL_POLL_S = 0.02
+IN_STEP_FACTOR = 4.0
+"""A step in progress is a stall only after this many stall_timeouts."""
 
 
 class StallWatchdog:
@@ -63,13 +71,15 @@ class StallWatchdog:
     async def check(self) -> bool:
         """One look; returns whether the engine is stalled now."""
         idle_for = self.engine.seconds_since_progress()
-        if not self.stalled and idle_for > self.stall_timeout:
+        in_step = self.engine.seconds_in_step() > 0.0
+        bound = self.stall_timeout * (IN_STEP_FACTOR if in_step else 1.0)
+        if not self.stalled and idle_for > bound:
             self.stalled, self._stalled_since = True, time.monotonic() - idle_for
             logger.error("engine stalled: no step completed for %.1f s with work queued "
                          "(--stall-timeout %g); health NOT_SERVING", idle_for,
                          self.stall_timeout)
             await self.on_change(True, idle_for)
-        elif self.stalled and idle_for <= self.stall_timeout:
+        elif self.stalled and idle_for <= bound:
             self.stalled = False
             duration = time.monotonic() - self._stalled_since
             logger.warning("engine progressing again after a %.1f s stall; health SERVING",

@@ -34,6 +34,7 @@ from services.common.metrics import ServiceMetrics
 from services.common.monitor import InstanceMonitor
 from services.common.readiness import StallWatchdog, stall_file_hook
 from services.common.worker import EngineWorker, Identity
+from shared.config import grpc_keepalive_server_options
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine_core import EngineCore
 from shared.prefix_index import PrefixIndex
@@ -87,7 +88,10 @@ class ServiceRuntime:
         """Serve health (NOT_SERVING) at once; load the model in the background."""
         interceptors = ([TokenAuthInterceptor(self.config.internal_token)]
                         if self.config.internal_token else [])
-        server = grpc.aio.server(options=self.config.grpc_options(), interceptors=interceptors)
+        # Keepalive: accept the gateway's and decodes' pings (else GOAWAY too_many_pings).
+        server = grpc.aio.server(
+            options=self.config.grpc_options() + grpc_keepalive_server_options(),
+            interceptors=interceptors)
         add_HealthServicer_to_server(self._health, server)
         self._add_servicer(server, self)
         bound = server.add_insecure_port(f"{self.config.host}:{self.config.port}")

@@ -4,8 +4,16 @@
         (dtype, shape, length, indices checked) ──▶ write_kv_blocks(our block ids)
     then ReleaseKV(request_id), in the background, with a deadline.
 
-One gRPC channel per prefill address, created on first use, with the explicit message limits;
-every call carries the internal token (if configured) and `x-request-id`.
+One gRPC channel per prefill address, created on first use, with the explicit message limits
+and keepalive pings (a frozen or partitioned prefill fails the transfer within seconds, not at
+`kv_transfer_timeout`); every call carries the internal token (if configured) and
+`x-request-id`.
+
+Every FetchKV failure but NOT_FOUND (pin expired or released) and DATA_LOSS (a bad or missing
+chunk) becomes ABORTED naming the prefill and its status: Generate's caller must not take the
+prefill's UNAVAILABLE (or INTERNAL, ...) for this decode instance's failure. ABORTED, DATA_LOSS
+and NOT_FOUND from Generate mean "the transfer failed": the gateway places the request again
+without a health verdict on any instance.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from services.common.auth import auth_metadata
 from services.common.config import ServiceConfig
 from services.common.errors import ServiceError
 from services.common.metrics import ServiceMetrics
+from shared.config import grpc_keepalive_channel_options
 from shared.kv_transfer.codec import (
     KVCaches,
     KVChunkData,
@@ -34,6 +43,9 @@ from shared.proto import engine_pb2 as pb
 from shared.proto import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+_PASSED_THROUGH = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS})
+"""FetchKV statuses Generate answers as they are; every other one becomes ABORTED."""
 
 
 class KVFetcher:
@@ -52,7 +64,8 @@ class KVFetcher:
     def _stub(self, address: str) -> engine_pb2_grpc.PrefillServiceStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=self.config.grpc_options())
+            channel = grpc.aio.insecure_channel(
+                address, options=self.config.grpc_options() + grpc_keepalive_channel_options())
             entry = self._stubs[address] = (channel, engine_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 
@@ -61,8 +74,11 @@ class KVFetcher:
         """Write the handle's blocks `block_indices` into our blocks `dst_block_ids`.
 
         Raises:
-            ServiceError: the prefill's status passed through (NOT_FOUND: pin expired...),
-                DATA_LOSS for a chunk that does not fit or a stream that ends early.
+            ServiceError: NOT_FOUND (the prefill has no pinned KV for the request: expired,
+                released, aborted) or DATA_LOSS (its status, or a chunk that does not fit or
+                a stream that ends early) passed through; ABORTED for any other failure of
+                the FetchKV call (the prefill unreachable, gone mid-stream, its deadline,
+                auth, ...), the message naming the prefill address and the original status.
         """
         address = handle.prefill_address
         tracker = TransferTracker(self.layout, block_indices)
@@ -80,8 +96,9 @@ class KVFetcher:
                 write_kv_blocks(self.kv_caches, [dst[i] for i in chunk.block_indices],
                                 chunk.layer_start, data)
         except grpc.aio.AioRpcError as e:
-            raise ServiceError(e.code(), f"FetchKV from prefill {address} failed: "
-                               f"{e.details()}") from None
+            code = e.code() if e.code() in _PASSED_THROUGH else grpc.StatusCode.ABORTED
+            raise ServiceError(code, f"FetchKV from prefill {address} failed: "
+                               f"{e.code().name}: {e.details()}") from None
         except KVCodecError as e:
             raise ServiceError(grpc.StatusCode.DATA_LOSS,
                                f"bad KV chunk from prefill {address}: {e}") from None

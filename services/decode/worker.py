@@ -6,8 +6,9 @@
     reserve_op (engine thread): prefix-cache hits for the same hashes + fresh blocks,
       │                         allocate_slots(..., delay_cache_blocks=True)
       ▼
-    KVFetcher.fetch: only the missing block indices, written into our fresh blocks;
-      │              ReleaseKV to the prefill instance (always, once)
+    KVFetcher.fetch: only the missing block indices, written into our fresh blocks
+      │ ReleaseKV to the prefill instance as soon as the transfer ends, success or not
+      │   (a background task, once per handle; the prefill's blocks go back to its cache)
       ▼
     commit_op (engine thread): num_computed_tokens = num_tokens of the handle, cache_blocks
       ▼
@@ -16,7 +17,9 @@
 Without a handle the request goes straight to the engine, which prefills it here
 (conditional disaggregation; also failover: prompt + tokens generated so far recomputed).
 Whatever happens, the request's blocks end up freed: by the scheduler when it finishes or
-is aborted, by `free_unscheduled_op` (shielded) on every other way out.
+is aborted, by `free_unscheduled_op` (shielded) on every other way out. A request that never
+reaches the transfer (aborted or failing while queued for blocks) sends its ReleaseKV on the
+way out; the prefill's TTL unpins what a dead decode instance never released.
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ class GenerateOutput(NamedTuple):
 @dataclass(slots=True)
 class _Ticket:
     request: Request
+    handle: KVHandle | None = None
     aborted: bool = False
+    released: bool = False
+    """ReleaseKV for `handle` was sent (or is being sent): never send it twice."""
     task: asyncio.Task | None = None
     """Admission + KV transfer, cancelled by Abort."""
 
@@ -171,7 +177,7 @@ class DecodeWorker(EngineWorker):
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"decode waiting queue is full ({self.config.max_waiting_requests}"
                                " requests); retry later or elsewhere")
-        ticket = self._tickets[request_id] = _Ticket(request)
+        ticket = self._tickets[request_id] = _Ticket(request, handle)
         try:
             num_cached = None
             if handle is not None:
@@ -198,8 +204,7 @@ class DecodeWorker(EngineWorker):
             finally:
                 self._tickets.pop(request_id, None)
                 self._notify_admission()
-                if handle is not None:
-                    self.spawn(self.fetcher.release(request_id, handle))
+                self._release(ticket)  # a no-op unless the transfer never ran
 
     async def _decode(self, ticket: _Ticket, num_cached: int | None,
                       local: bool) -> AsyncIterator[GenerateOutput]:
@@ -235,14 +240,28 @@ class DecodeWorker(EngineWorker):
         num_hit_tokens, block_ids = await self._reserve(ticket, handle.num_tokens)
         first_missing = num_hit_tokens // self.block_size
         missing = list(range(first_missing, len(handle.block_ids)))
-        if missing:
-            await self.fetcher.fetch(request.request_id, handle, missing,
-                                     [block_ids[i] for i in missing])
+        try:
+            if missing:
+                await self.fetcher.fetch(request.request_id, handle, missing,
+                                         [block_ids[i] for i in missing])
+        finally:
+            # Our blocks hold the KV now (or the transfer failed): the prefill's pin has
+            # served its purpose, whatever the decode does next.
+            self._release(ticket)
         num_computed = max(handle.num_tokens, num_hit_tokens)
         await self.engine.call(lambda e: commit_op(e, request, num_computed))
         logger.debug("[%s] KV in place: %d blocks reused, %d fetched from %s",
                      request.request_id, first_missing, len(missing), handle.prefill_address)
         return num_hit_tokens
+
+    def _release(self, ticket: _Ticket) -> None:
+        """ReleaseKV for the ticket's handle, as a tracked background task (`close` awaits
+        or cancels it); once per ticket, later calls and tickets without a handle are no-ops.
+        """
+        if ticket.handle is None or ticket.released:
+            return
+        ticket.released = True
+        self.spawn(self.fetcher.release(ticket.request.request_id, ticket.handle))
 
     async def _reserve(self, ticket: _Ticket, num_tokens: int) -> tuple[int, list[int]]:
         """Wait (FIFO) until the pool can hold the request's first `num_tokens` tokens."""

@@ -28,13 +28,20 @@ def run(ns: argparse.Namespace) -> int:
 
     logging.basicConfig(level=str(ns.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_cli_args(ns)
+    try:
+        config = config_from_cli_args(ns)
+    except (ValueError, FileNotFoundError) as e:  # a bad flag: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     shown = dataclasses.replace(config, api_key="***" if config.api_key else None)
     logging.getLogger(__name__).info("config: %s", shown)
     app = build_app(config)
     loop = "uvloop" if sys.platform != "win32" else "asyncio"
+    # NOTE: on SIGTERM uvicorn stops accepting and lets in-flight requests (streams included)
+    # finish for up to the grace period; the launcher gives it its --shutdown-timeout - 5 s.
     uvicorn.run(app, host=config.host, port=config.port, loop=loop,
-                log_level=str(config.log_level).lower(), timeout_graceful_shutdown=5,
+                log_level=str(config.log_level).lower(),
+                timeout_graceful_shutdown=max(1, round(config.grace_period)),
                 access_log=False)  # our access lines carry the request id
     return 0
 

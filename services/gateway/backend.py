@@ -1,7 +1,10 @@
 """EngineBackend: the gateway's gRPC client of prefill and decode instances.
 
 One channel per address (created lazily, on the running loop), the prefill and decode stubs
-over it, a deadline on every call and `x-request-id` metadata on every call.
+over it, a deadline on every call and `x-request-id` metadata on every call. Every channel
+pings its instance (HTTP/2 keepalive, shared/config.py GRPC_KEEPALIVE_S), so the calls to a
+frozen or partitioned instance fail with UNAVAILABLE within seconds (and fail over) instead of
+hanging until `request_timeout`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared import config as shared_config
 from shared.config import MAX_GRPC_MESSAGE_BYTES as _MAX_MESSAGE_BYTES
+from shared.config import grpc_keepalive_channel_options
 from shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -47,9 +52,11 @@ class EngineBackend:
     `close()` can let them finish."""
 
     def __init__(self, request_timeout: float = 600.0, rpc_timeout: float = 5.0,
-                 internal_token: str | None = None) -> None:
+                 internal_token: str | None = None, keepalive_s: float | None = None) -> None:
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
+        self.keepalive_s = shared_config.GRPC_KEEPALIVE_S if keepalive_s is None else keepalive_s
+        """Seconds between keepalive pings on every channel (default GRPC_KEEPALIVE_S)."""
         self._auth: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {internal_token}"),) if internal_token else ())
         self._channels: dict[str, _Channel] = {}
@@ -64,6 +71,7 @@ class EngineBackend:
                 # A restarted instance is found within seconds, not grpc's default 120 s.
                 ("grpc.initial_reconnect_backoff_ms", 250),
                 ("grpc.max_reconnect_backoff_ms", 2000),
+                *grpc_keepalive_channel_options(self.keepalive_s),
             ])
             ch = self._channels[address] = _Channel(
                 channel, engine_pb2_grpc.PrefillServiceStub(channel),

@@ -11,6 +11,13 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
+# GatewayConfig fields that must be > 0 / >= 0 (0: "no limit" or "none allowed").
+_POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_body_size",
+             "max_n", "block_size")
+_NON_NEGATIVE = ("max_request_retries", "max_num_queued_requests", "max_queued_tokens",
+                 "max_logprobs", "max_stop_strings", "max_stop_string_length",
+                 "local_prefill_threshold", "grace_period")
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -60,8 +67,22 @@ class GatewayConfig:
     """Most stop strings one request may give."""
     max_stop_string_length: int = 512
     """Longest stop string, characters."""
+    grace_period: float = 25.0
+    """Seconds in-flight requests get to finish on SIGTERM / Ctrl-C before they are cut."""
     internal_token: str | None = None
     """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
+
+    def __post_init__(self) -> None:
+        """Raises: ValueError naming the flag of the first value out of range."""
+        for names, rule in ((_POSITIVE, "> 0"), (_NON_NEGATIVE, ">= 0")):
+            for name in names:
+                value = getattr(self, name)
+                if not (value > 0 if rule == "> 0" else value >= 0):  # also refuses NaN
+                    raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+        if self.max_model_len is not None and not self.max_model_len > 0:
+            raise ValueError(f"--max-model-len must be > 0, got {self.max_model_len}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -140,6 +161,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--max-stop-strings", type=int, default=int(_env("max_stop_strings", 32)))
     g.add_argument("--max-stop-string-length", type=int,
                    default=int(_env("max_stop_string_length", 512)))
+    g.add_argument("--grace-period", type=float, default=float(_env("grace_period", 25.0)),
+                   help="seconds in-flight requests get to finish on shutdown")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret the prefill and decode services require")
     return parser
@@ -150,6 +173,7 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
 
     Raises:
         FileNotFoundError: the model is not a local directory and was never converted.
+        ValueError: a flag's value is out of range (the message names the flag).
     """
     from shared.models.convert import resolve_model_path
 
@@ -173,4 +197,4 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         max_num_queued_requests=ns.max_num_queued_requests,
         max_queued_tokens=ns.max_queued_tokens, max_logprobs=ns.max_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_length=ns.max_stop_string_length,
-        internal_token=ns.internal_token or None)
+        internal_token=ns.internal_token or None, grace_period=ns.grace_period)

@@ -27,6 +27,16 @@ RETRIABLE_PREFILL = INSTANCE_FAILED
 aborted (an Abort call), and retrying would defeat the abort."""
 RETRIABLE_GENERATE = INSTANCE_FAILED | TRANSFER_FAILED
 """Generate statuses worth another placement."""
+OVERLOAD_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
+"""Waits before placing again a started stream whose decode instance was full (then 2 s)."""
+OVERLOAD_MAX_WAIT_S = 60.0
+"""How long a started stream keeps waiting for room on a decode instance before a 503."""
+
+
+def is_overloaded(error: grpc.aio.AioRpcError) -> bool:
+    """A decode instance's admission queue is full (not a message over the size limit)."""
+    return error.code() == _CODE.RESOURCE_EXHAUSTED and \
+        "larger than max" not in (error.details() or "")
 
 
 @dataclass(slots=True, eq=False)  # hashable: registered as a Prometheus collector
@@ -39,6 +49,8 @@ class FailoverStats:
     """Other failed attempts (a Prefill, a decode stream before its first token) placed again."""
     exhausted: int = 0
     """Engine requests given up: retry budget spent or no decode instance left."""
+    overload_waits: int = 0
+    """Started streams whose decode instance was full, placed again after a wait."""
 
     def collect(self):
         """prometheus_client custom-collector hook: `pdserve_gateway_failovers_total{kind}`."""
@@ -49,6 +61,7 @@ class FailoverStats:
         family.add_metric(["decode"], self.decode_failovers)
         family.add_metric(["prefill"], self.prefill_retries)
         family.add_metric(["exhausted"], self.exhausted)
+        family.add_metric(["overload_wait"], self.overload_waits)
         yield family
 
     def count_retry(self, failure: AttemptFailed, num_output_tokens: int) -> None:
@@ -61,10 +74,13 @@ class FailoverStats:
 class AttemptFailed(Exception):
     """One placement of an engine request failed in a way another placement may not."""
 
-    def __init__(self, address: str, role: str, error: grpc.aio.AioRpcError | str) -> None:
-        self.instance_failed = (not isinstance(error, grpc.aio.AioRpcError)
-                                or error.code() in INSTANCE_FAILED)
+    def __init__(self, address: str, role: str, error: grpc.aio.AioRpcError | str,
+                 overloaded: bool = False) -> None:
+        self.instance_failed = not overloaded and (not isinstance(error, grpc.aio.AioRpcError)
+                                                   or error.code() in INSTANCE_FAILED)
         """Mark `address` failed in the health tracker (False: only this request failed)."""
+        self.overloaded = overloaded
+        """The instance was full: wait, then place again (outside the retry budget)."""
         if isinstance(error, grpc.aio.AioRpcError):
             error = f"{error.code().name}: {error.details()}"
         super().__init__(f"{role} {address}: {error}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from services.gateway.backend import EngineOutput
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.errors import GatewayError
-from services.gateway.stop_checker import StopChecker
+from services.gateway.stop_checker import StopChecker, StopTable
 from shared.proto import engine_pb2
 
 _FINISH_REASONS = {
@@ -53,12 +53,17 @@ class ChoiceDelta:
 
 class ChoiceProcessor:
     def __init__(self, index: int, decoder: Decoder, prompt_token_ids: Sequence[int], *,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 stop: StopTable | Sequence[str] = (), include_stop_str_in_output: bool = False,
                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
                  logprobs: bool = False, skip_special_tokens: bool = True) -> None:
+        """`stop`: the request's StopTable, built once and shared by all its choices (or
+        the stop strings, compiled for this choice alone)."""
         self.index = index
         self._detokenizer = IncrementalDetokenizer(decoder, prompt_token_ids,
                                                    skip_special_tokens)
+        if isinstance(stop, StopTable) and \
+                stop.include_stop_str_in_output != include_stop_str_in_output:
+            raise ValueError("include_stop_str_in_output differs from the stop table's")
         self._stop_checker = StopChecker(stop, include_stop_str_in_output)
         self._include_stop = include_stop_str_in_output
         self._stop_token_ids = frozenset(stop_token_ids)

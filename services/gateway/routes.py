@@ -125,7 +125,9 @@ async def _gateway_error(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(GatewayError(exc.detail or "error", exc.status_code))
+    # exc.headers carries e.g. the `Allow` header of a 405.
+    return error_response(GatewayError(exc.detail or "error", exc.status_code),
+                          dict(exc.headers) if exc.headers else None)
 
 
 async def _client_gone(request: Request, exc: Exception) -> Response:

@@ -40,11 +40,14 @@ from services.gateway.backend import EngineBackend, EngineOutput
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, from_grpc_error, no_backend
 from services.gateway.failover import (
+    OVERLOAD_BACKOFF_S,
+    OVERLOAD_MAX_WAIT_S,
     RETRIABLE_GENERATE,
     RETRIABLE_PREFILL,
     AttemptFailed,
     FailoverStats,
     at_length_limit,
+    is_overloaded,
 )
 from services.gateway.health import HealthTracker, InstanceStatus
 from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
@@ -165,6 +168,7 @@ class ServingEngine:
         output_token_ids: list[int] = []
         avoid: list[str] = []
         num_retries = 0
+        overload_waits: list[float] = []
         retrying: AttemptFailed | None = None  # counted once placed again
         cached_reported = False
         while True:
@@ -202,6 +206,20 @@ class ServingEngine:
                         yield out
                 return
             except AttemptFailed as failure:
+                if failure.overloaded:
+                    wait = OVERLOAD_BACKOFF_S[min(len(overload_waits),
+                                                  len(OVERLOAD_BACKOFF_S) - 1)]
+                    if sum(overload_waits) + wait > OVERLOAD_MAX_WAIT_S:
+                        self.failover_stats.exhausted += 1
+                        raise GatewayError(f"Service unavailable: {failure} for "
+                                           f"{sum(overload_waits):.0f} s.", 503) from None
+                    overload_waits.append(wait)
+                    logger.info("[%s] %s: decode full, placing again in %.2f s",
+                                request_id, engine_request_id, wait)
+                    self.failover_stats.overload_waits += 1
+                    avoid.append(failure.address)  # another decode instance if one has room
+                    await asyncio.sleep(wait)
+                    continue
                 if failure.instance_failed:
                     self.health.mark_failed(failure.address)
                 avoid.append(failure.address)
@@ -272,6 +290,11 @@ class ServingEngine:
                     if finished:
                         return
             except grpc.aio.AioRpcError as e:
+                if is_overloaded(e) and decode_req.output_token_ids:
+                    # NOTE: the client already has tokens (a started stream): a 429 now would
+                    # break it; wait for room instead (generate's loop).
+                    failed = address
+                    raise AttemptFailed(address, "decode", e, overloaded=True) from None
                 if e.code() not in RETRIABLE_GENERATE:
                     raise from_grpc_error(e, "Generate") from None
                 failed = address

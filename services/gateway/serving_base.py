@@ -25,6 +25,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
 from services.gateway.sampling import to_engine_params
 from services.gateway.serving import ServingEngine, merge_streams, run_until_disconnect
+from services.gateway.stop_checker import StopTable
 from services.gateway.tokenization import GatewayTokenizer
 from shared.sampling_params import SamplingParams
 
@@ -144,10 +145,16 @@ class OpenAIServing:
                                                      config.max_queued_tokens)
         self._max_token_chars = _max_token_chars(tokenizer.tokenizer)
 
-    async def check_prompt_chars(self, num_chars: int, param: str) -> None:
+    async def check_prompt_chars(self, num_chars: int, param: str,
+                                 max_model_len: int | None = None) -> None:
         """Refuse, before tokenizing it, text sure to have over _HOPELESS x the context's
         tokens (megabytes of prompt would hold the tokenizer thread for seconds). Text
         nearer the limit is tokenized, so its refusal can state the exact count.
+
+        Args:
+            num_chars: the characters of ALL the request's prompts together (they are
+                tokenized one after the other on the gateway's one tokenizer thread).
+            max_model_len: the context, tokens (default: the engines').
 
         Raises:
             GatewayError: 400 naming `param` ("prompt" or "messages").
@@ -155,7 +162,8 @@ class OpenAIServing:
         bound = self._max_token_chars
         if bound is None or num_chars <= bound:
             return
-        max_model_len = (await self.engine.engine_info()).max_model_len
+        if max_model_len is None:
+            max_model_len = (await self.engine.engine_info()).max_model_len
         if num_chars // bound >= _HOPELESS * max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {max_model_len} tokens. However, "
@@ -175,6 +183,7 @@ class OpenAIServing:
             QueueFullError: 429, the waiting queue cannot take them now (nothing started).
             GatewayError: 400, they could never fit the queue.
         """
+        stop_table = StopTable(stop, include_stop_str_in_output)  # shared by every choice
         grant = self.admission.admit([len(prompt.token_ids) + (sp.max_tokens or 0)
                                       for prompt, sp in zip(prompts, sampling, strict=True)
                                       for _ in range(sp.n)])
@@ -183,7 +192,7 @@ class OpenAIServing:
             for i in range(sp.n):
                 index = p * sp.n + i
                 proc = ChoiceProcessor(
-                    index, self.tokenizer, prompt.token_ids, stop=stop,
+                    index, self.tokenizer, prompt.token_ids, stop=stop_table,
                     include_stop_str_in_output=include_stop_str_in_output,
                     stop_token_ids=sp.stop_token_ids, min_tokens=sp.min_tokens,
                     logprobs=logprobs, skip_special_tokens=sp.skip_special_tokens)

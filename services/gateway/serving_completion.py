@@ -46,8 +46,8 @@ class CompletionServing(OpenAIServing):
         # Cheap refusals first: before a single prompt is tokenized.
         self.admission.check_fits(len(prompt) * req.n,
                                   param="n" if req.n > 1 else "prompt")
-        await self.check_prompt_chars(max((len(p) for p in prompt if isinstance(p, str)),
-                                          default=0), "prompt")
+        await self.check_prompt_chars(sum(len(p) for p in prompt if isinstance(p, str)),
+                                      "prompt")
         out = []
         for p in prompt:
             if isinstance(p, str):

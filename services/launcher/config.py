@@ -52,6 +52,9 @@ class UpConfig:
     startup_timeout: float = 600.0
     """Seconds every health check gets to pass (the model loads within it)."""
     log_level: str = "INFO"
+    restart_engines: bool = True
+    """Start a prefill or decode replica that died again (with a backoff); False: any
+    child's death stops everything."""
 
 
 _PORT_FLAGS = {
@@ -112,6 +115,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         g.add_argument(f"--{name}", type=int, default=None, help=text + " (default: free)")
     g.add_argument("--redis-url", default=None,
                    help="use this Redis (e.g. redis://host:6379/0) instead of starting one")
+    g.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
+                   help="start a prefill or decode replica that died again, after a backoff "
+                        "of 1, 2, 4 ... 30 s (off: any child's death stops everything)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to drain on Ctrl-C / SIGTERM before killing what is left")
     g.add_argument("--startup-timeout", type=float, default=600.0,
@@ -134,7 +140,8 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
         prefill_metrics_port=ns.prefill_metrics_port,
         decode_metrics_port=ns.decode_metrics_port, redis_port=ns.redis_port,
         redis_url=ns.redis_url or None, shutdown_timeout=ns.shutdown_timeout,
-        startup_timeout=ns.startup_timeout, log_level=str(ns.log_level).upper())
+        startup_timeout=ns.startup_timeout, log_level=str(ns.log_level).upper(),
+        restart_engines=ns.restart_engines)
     for name in ("num_prefill", "num_decode"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

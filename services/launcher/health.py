@@ -43,7 +43,11 @@ class GrpcHealth:
 
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.insecure_channel(address)
+            # NOTE: a restarted engine should be seen within a second or two, not after
+            # gRPC's default reconnect backoff (up to 120 s).
+            channel = self._channels[address] = grpc.insecure_channel(address, options=[
+                ("grpc.initial_reconnect_backoff_ms", 250),
+                ("grpc.max_reconnect_backoff_ms", 1000)])
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout)

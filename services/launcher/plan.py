@@ -168,7 +168,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
             "--served-model-name", served_model_name, "--redis-url", redis_url,
             "--prefill-url", ",".join(addresses["prefill"]),
             "--decode-url", ",".join(addresses["decode"]),
-            "--block-size", str(args.block_size), "--log-level", config.log_level.lower()]
+            "--block-size", str(args.block_size), "--log-level", config.log_level.lower(),
+            "--grace-period", f"{grace:g}"]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
     argv += list(config.gateway_flags)

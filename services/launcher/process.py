@@ -5,6 +5,8 @@
             (Linux: the kernel SIGKILLs the child if the launcher dies, even by SIGKILL)
     logs:   a thread copies the child's stdout+stderr to ours, each line as `[name] line`
     stop:   terminate() = SIGTERM to the group; kill() = SIGKILL to the group
+    again:  start() after the previous run exited: the same argv and env, a new process
+            (reaped by poll/wait as before), its lines under the same prefix
 
 NOTE: the death signal belongs to the thread that forked the child: spawn from the main
 thread, which lives as long as the launcher.
@@ -94,6 +96,12 @@ class ChildProcess:
         return self.proc.pid if self.proc else None
 
     def start(self) -> None:
+        """Start (or, once the previous run has exited, start again). Raises OSError if the
+        program cannot be run, RuntimeError if the previous run is still going."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                raise RuntimeError(f"{self.name} is still running")
+            self.join_output()  # its last lines first
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,

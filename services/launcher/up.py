@@ -2,8 +2,10 @@
 health check passes, print the URL and a curl line, and stop them all on Ctrl-C / SIGTERM.
 
     prereqs (redis-server, model) ─▶ redis ─▶ engines + gateway ─▶ all healthy ─▶ banner
-    ─▶ run until a signal or a child's death ─▶ stop stage by stage (SIGTERM to each group,
-    one --shutdown-timeout deadline for all) ─▶ SIGKILL what is left ─▶ exit
+    ─▶ run until a signal or the death of the gateway or Redis (a prefill or decode replica
+    that dies is started again with a backoff, see supervise.py; --no-restart-engines: any
+    death stops everything) ─▶ stop stage by stage (SIGTERM to each group, one
+    --shutdown-timeout deadline for all) ─▶ SIGKILL what is left ─▶ exit
 
 A second Ctrl-C kills everything at once.
 """
@@ -31,6 +33,7 @@ from services.launcher.prereqs import (
     served_model_name,
 )
 from services.launcher.process import ChildProcess, LogSink
+from services.launcher.supervise import RESTARTABLE_ROLES, Backoff, Supervisor
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.5
@@ -38,10 +41,12 @@ NAME = "pdserve"
 
 
 class Launcher:
-    def __init__(self, plan: Plan, config: UpConfig, sink: LogSink) -> None:
+    def __init__(self, plan: Plan, config: UpConfig, sink: LogSink,
+                 backoff: Backoff = Backoff()) -> None:
         self.plan = plan
         self.config = config
         self.sink = sink
+        self.backoff = backoff
         env = child_env(os.environ)
         self.children = [(spec, ChildProcess(spec.name, spec.argv, {**env, **spec.env}, sink))
                          for spec in plan.children]
@@ -126,14 +131,21 @@ class Launcher:
         return True
 
     def _wait_until_stopped(self) -> None:
+        probes = {child.name: spec.probe for spec, child in self.children}
+        supervisor = Supervisor(
+            [(child, spec.ports, spec.name.rsplit("-", 1)[0] in RESTARTABLE_ROLES)
+             for spec, child in self.children],
+            self.say, restart=self.config.restart_engines, backoff=self.backoff,
+            busy_ports=lambda ports: [p for p in ports if _port_in_use("127.0.0.1", p)],
+            healthy=lambda child: self.prober.check(probes[child.name]))
+        # NOTE: ticks run here, in the main thread (see supervise.py); a signal during a
+        # backoff ends the loop before the child is due, so it is not started again.
         while not self._stop.wait(_POLL):
-            for spec, child in self.children:
-                code = child.poll()
-                if code is not None:
-                    self.say(f"{spec.name} exited unexpectedly with code {code}; "
-                             "stopping everything")
-                    self._failed = True
-                    return
+            reason = supervisor.tick()
+            if reason is not None:
+                self.say(reason)
+                self._failed = True
+                return
 
     def _shutdown(self) -> bool:
         """Stop stage by stage under one deadline; True if every child exited 0."""

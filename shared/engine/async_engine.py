@@ -39,6 +39,8 @@ class AsyncEngine:
         self.last_step_time = time.monotonic()
         """Monotonic time the loop last made progress (a step, or idle with no work)."""
         self.num_steps = 0
+        self.step_started: float | None = None
+        """Monotonic start of the step running now (None between steps)."""
         self.stall_hook: Callable[[], None] | None = None
         """Test hook: called each loop iteration (e.g. to make the loop stall)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -98,6 +100,11 @@ class AsyncEngine:
             return 0.0
         return time.monotonic() - self.last_step_time
 
+    def seconds_in_step(self) -> float:
+        """Seconds the step running now has taken so far; 0 between steps."""
+        started = self.step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     # -- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -110,12 +117,15 @@ class AsyncEngine:
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()
                 continue
+            self.step_started = time.monotonic()
             try:
                 deltas = self.engine.step()
             except Exception:  # a bug, not bad input: fail the requests, keep serving
                 logger.exception("engine step failed; aborting its running requests")
                 self._fail_all()
                 continue
+            finally:
+                self.step_started = None
             self.num_steps += 1
             self.last_step_time = time.monotonic()
             self._dispatch(deltas)

@@ -1,7 +1,12 @@
 """Failover end to end (issue 6): one prefill and two decode PROCESSES (`pdserve serve`, the
 real model) behind the real gateway (in-process uvicorn, static instance lists).
 
-The tests run in file order on one cluster and each kills a process:
+Every process (and the in-process gateway's channels) pings its peers every KEEPALIVE_S s.
+The tests run in file order on one cluster:
+0. SIGSTOP of a decode process (frozen, as if partitioned) while 4 greedy streams run: its
+   streams fail over once keepalive closes the connection; every client gets the undisturbed
+   answer within FROZEN_BOUND_S; SIGCONT, and the instance serves again, no block leaked;
+then each kills a process:
 1. kill -9 of a decode process while 8 greedy streams run: every client gets the answer of an
    undisturbed run (same 8 requests first), with no error event;
 2. kill -9 of the prefill process: requests still succeed (the decode instance prefills);
@@ -20,6 +25,8 @@ from dataclasses import dataclass, field
 import pytest
 import pytest_asyncio
 
+from services.gateway.health import InstanceStatus
+from shared import config as shared_config
 from tests.conftest import PARITY_MESSAGES
 from tests.e2e.conftest import Urls
 from tests.procs import ServiceGroup, ServiceProcess
@@ -30,6 +37,11 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 MAX_TOKENS = 48
 KILL_AFTER_TOKENS = 8
 """Kill once every unfinished stream has received this many content chunks (~tokens)."""
+KEEPALIVE_S = 1.0
+"""PDSERVE_GRPC_KEEPALIVE_S of the services and the gateway's keepalive here (default 10)."""
+NUM_FROZEN_STREAMS = 4
+FROZEN_BOUND_S = 45.0
+"""Every stream ends within this after the SIGSTOP (without keepalive: --request-timeout)."""
 NUMBERS: dict[str, object] = {}
 """What the tests measured (printed at the end of the module, for docs/reliability.md)."""
 REFERENCE: list = []
@@ -61,8 +73,9 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(model_path, tmp_path_factory) -> Iterator[Cluster]:
     with ServiceGroup(tmp_path_factory.mktemp("failover")) as group:
-        prefill = group.start("prefill", model_path)
-        decodes = [group.start("decode", model_path) for _ in range(2)]
+        env = {"PDSERVE_GRPC_KEEPALIVE_S": str(KEEPALIVE_S)}
+        prefill = group.start("prefill", model_path, env=env)
+        decodes = [group.start("decode", model_path, env=env) for _ in range(2)]
         group.wait_serving()
         yield Cluster(prefill, decodes)
 
@@ -70,8 +83,12 @@ def cluster(model_path, tmp_path_factory) -> Iterator[Cluster]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
     urls = Urls((cluster.prefill.address,), tuple(d.address for d in cluster.decodes))
-    async with running_gateway(model_path, urls, rpc_timeout=10.0) as gw:  # type: ignore[arg-type]
-        yield gw
+    with pytest.MonkeyPatch.context() as mp:  # read when the gateway's backend is built
+        mp.setattr(shared_config, "GRPC_KEEPALIVE_S", KEEPALIVE_S)
+        async with running_gateway(model_path, urls,  # type: ignore[arg-type]
+                                   rpc_timeout=10.0) as gw:
+            assert gw.app.state.gateway.engine.backend.keepalive_s == KEEPALIVE_S
+            yield gw
     print("\nfailover numbers:", json.dumps(NUMBERS))
 
 
@@ -103,9 +120,10 @@ async def _stream(gw: RunningGateway, messages: list[dict], result: StreamResult
                 result.finish_reason = choice["finish_reason"] or result.finish_reason
 
 
-async def _run_all(gw: RunningGateway, results: list[StreamResult]) -> None:
+async def _run_all(gw: RunningGateway, results: list[StreamResult],
+                   timeout: float = 300) -> None:
     await asyncio.wait_for(asyncio.gather(*(
-        _stream(gw, m, r) for m, r in zip(PARITY_MESSAGES, results, strict=True))), 300)
+        _stream(gw, m, r) for m, r in zip(PARITY_MESSAGES, results))), timeout)
 
 
 async def _until(predicate, what: str, timeout: float = 120.0) -> None:
@@ -131,8 +149,59 @@ async def _reference(gw: RunningGateway) -> list[StreamResult]:
     return REFERENCE
 
 
+def _assert_same(results: list[StreamResult], reference: list[StreamResult]) -> None:
+    for got, ref in zip(results, reference, strict=True):
+        assert got.done and not got.errors, got.errors
+        assert got.text == ref.text
+        assert (got.finish_reason, got.completion_tokens) == \
+            (ref.finish_reason, ref.completion_tokens)
+
+
+async def test_frozen_decode_streams_fail_over(gateway, cluster):
+    reference = (await _reference(gateway))[:NUM_FROZEN_STREAMS]
+    engine = gateway.app.state.gateway.engine
+    before = (_stats(gateway).decode_failovers, _stats(gateway).exhausted)
+    results = [StreamResult() for _ in reference]
+    run = asyncio.ensure_future(_run_all(gateway, results))
+    await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results) or run.done(),
+                 "every stream to get going")
+    assert not run.done()
+    victim = max(cluster.decodes, key=lambda d: engine.placer.num_in_flight(d.address))
+    on_victim = engine.placer.num_in_flight(victim.address)
+    victim.freeze()
+    stopped_at = time.monotonic()
+    try:
+        await asyncio.wait_for(run, FROZEN_BOUND_S)
+        done_s = time.monotonic() - stopped_at
+    finally:
+        victim.resume()
+    _assert_same(results, reference)
+    failovers = _stats(gateway).decode_failovers - before[0]
+    assert 1 <= failovers <= on_victim
+    assert _stats(gateway).exhausted == before[1]
+    # The longest pause a client saw after the SIGSTOP: the time to fail over.
+    gaps = [next(t for t in r.times if t > stopped_at) - stopped_at
+            for r in results if r.times[-1] > stopped_at]
+    # Resumed, the instance finds the gateway gone, frees those requests' blocks and is
+    # SERVING again (the next tests need it).
+    await _until(lambda: engine.health.status(victim.address) is InstanceStatus.SERVING,
+                 "the resumed instance to be SERVING", 30)
+    deadline = time.monotonic() + 30
+    while (state := await engine.backend.get_state(victim.address, "decode", True)) \
+            .num_used_blocks or state.num_running or state.num_waiting:
+        assert time.monotonic() < deadline, state
+        await asyncio.sleep(0.1)
+    assert state.invariants_ok, state.invariants_error
+    NUMBERS["decode_sigstop"] = {
+        "streams": len(results), "sigstops": 1, "streams_on_frozen_instance": on_victim,
+        "decode_failovers": failovers, "client_errors": 0, "answers_identical": len(results),
+        "keepalive_s": KEEPALIVE_S, "time_to_failover_s": round(max(gaps), 2),
+        "all_done_after_sigstop_s": round(done_s, 2), "blocks_leaked": state.num_used_blocks}
+
+
 async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
     reference = await _reference(gateway)
+    before = _stats(gateway).decode_failovers
     assert all(len(r.texts) > KILL_AFTER_TOKENS for r in reference)  # all run at the kill
 
     victim = cluster.decodes[0]
@@ -148,20 +217,16 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
     await run
     NUMBERS["failover_run_s"] = round(time.monotonic() - started, 2)
 
-    for got, ref in zip(results, reference, strict=True):
-        assert got.done and not got.errors, got.errors
-        assert got.text == ref.text
-        assert (got.finish_reason, got.completion_tokens) == \
-            (ref.finish_reason, ref.completion_tokens)
+    _assert_same(results, reference)
     stats = _stats(gateway)
-    assert 1 <= stats.decode_failovers <= on_victim
+    assert 1 <= stats.decode_failovers - before <= on_victim
     assert stats.exhausted == 0
     # time to recover: the longest pause a failed-over client saw around the kill
     gaps = [max(b - a for a, b in zip(r.times, r.times[1:]) if b > killed_at)
             for r in results if r.times[-1] > killed_at]
     NUMBERS["decode_kill"] = {
         "streams": len(results), "kills": 1, "streams_on_killed_instance": on_victim,
-        "decode_failovers": stats.decode_failovers, "client_errors": 0,
+        "decode_failovers": stats.decode_failovers - before, "client_errors": 0,
         "answers_identical": len(results),
         "worst_gap_after_kill_s": round(max(gaps), 3)}
 

@@ -47,6 +47,37 @@ def test_output_lines_are_prefixed():
                                     "[decode-0]  100%"])
 
 
+def test_start_again_after_an_exit_only():
+    out = io.StringIO()
+    child = ChildProcess("prefill-0", [sys.executable, "-c", (
+        "import os, sys, time; print('run', os.getpid(), flush=True); "
+        "time.sleep(float(os.environ['NAP']))")], {**os.environ, "NAP": "300"}, LogSink(out))
+
+    def wait_lines(n: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(out.getvalue().splitlines()) < n:
+            assert time.monotonic() < deadline, out.getvalue()
+            time.sleep(0.05)
+
+    child.start()
+    first = child.pid
+    try:
+        wait_lines(1)
+        with pytest.raises(RuntimeError, match="prefill-0 is still running"):
+            child.start()
+        child.kill()
+        assert child.wait(30) == -signal.SIGKILL
+        child.start()  # same argv and env: sleeps 300 s again
+        wait_lines(2)
+        assert child.pid != first and child.wait(0.1) is None
+    finally:
+        child.kill()
+    assert child.wait(30) == -signal.SIGKILL
+    child.join_output()
+    assert out.getvalue().splitlines() == [f"[prefill-0] run {first}",
+                                           f"[prefill-0] run {child.pid}"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc")
 def test_terminate_and_kill_reach_the_whole_group():
     out = io.StringIO()

@@ -1,6 +1,7 @@
 """`pdserve up` as a user runs it: a subprocess on free ports that becomes healthy, answers a
-greedy chat completion through the official `openai` client, and on SIGTERM stops every
-child process it started and closes every port it opened."""
+greedy chat completion through the official `openai` client, survives a decode process
+killed with SIGKILL (the launcher starts it again; the gateway answers meanwhile), and on
+SIGTERM stops every child process it started and closes every port it opened."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,6 +21,8 @@ import pytest
 
 STARTUP_TIMEOUT = 400.0
 """Generous: the machine is shared, and two engines load the model at once on 2 cores."""
+RESTART_BOUND = 120.0
+"""Seconds from kill -9 of decode-0 until the gateway's /health is 200 again."""
 API_KEY = "sk-launcher-test"
 
 pytestmark = [
@@ -83,14 +87,74 @@ def _wait_for(predicate, proc: subprocess.Popen, log: Path, what: str) -> None:
 
 
 def _health_ok(url: str) -> bool:
+    return _health_status(url) == 200
+
+
+def _health_status(url: str) -> int | None:
+    """The HTTP status, or None when nothing answered."""
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status == 200
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except OSError:
-        return False
+        return None
 
 
-def test_up_serves_openai_chat_and_stops_cleanly_on_sigterm(model_path, tmp_path):
+def _child_running(parent: int, needle: str) -> int:
+    """The pid of `parent`'s one child whose command line contains `needle`."""
+    found = []
+    for pid in _descendants(parent):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == parent and needle in cmdline:
+            found.append(pid)
+    assert len(found) == 1, (needle, found)
+    return found[0]
+
+
+def _chat(client) -> str:
+    resp = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    return resp.choices[0].message.content
+
+
+def _kill_decode_and_recover(proc: subprocess.Popen, log: Path, url: str, client) -> float:
+    """SIGKILL decode-0; the launcher must keep running and start it again, the gateway must
+    answer /health all along (503 while no decode serves) and serve a chat afterwards.
+    Returns seconds from the kill until /health is 200 again."""
+    decode = _child_running(proc.pid, "serve decode")
+    os.kill(decode, signal.SIGKILL)
+    killed = time.monotonic()
+    seen: set[int | None] = set()
+    while True:
+        ready = "decode-0 is ready again" in log.read_text()
+        status = _health_status(url + "/health")
+        seen.add(status)
+        if ready and status == 200:
+            break
+        assert proc.poll() is None, f"pdserve up exited:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() - killed < RESTART_BOUND, \
+            f"/health not 200 {RESTART_BOUND:g} s after the kill:\n{log.read_text()[-6000:]}"
+        time.sleep(0.2)
+    took = time.monotonic() - killed
+    assert None not in seen, f"the gateway stopped answering: {seen}"
+    assert seen <= {200, 503}, seen
+    text = log.read_text()
+    assert "decode-0 exited unexpectedly with code -9; restarting it in 1 s" in text, text
+    assert "stopping everything" not in text, text
+    new = _child_running(proc.pid, "serve decode")
+    assert new != decode
+    answer = _chat(client)
+    assert "Paris" in answer, answer
+    return took
+
+
+def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_path, tmp_path):
     import openai
 
     port = _free_port()
@@ -116,14 +180,15 @@ def test_up_serves_openai_chat_and_stops_cleanly_on_sigterm(model_path, tmp_path
 
         client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, timeout=300,
                                max_retries=0)
-        resp = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
-        answer = resp.choices[0].message.content
+        answer = _chat(client)
         assert "Paris" in answer, answer
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0,
                           timeout=60).models.list()
+
+        took = _kill_decode_and_recover(proc, log, url, client)
+        print(f"decode-0 kill -9 -> /health 200 in {took:.1f} s")
+        children.update(_descendants(proc.pid))
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=180) == 0, log.read_text()[-6000:]

@@ -224,7 +224,7 @@ async def bad_prefill(cluster):
     ("length", Code.DATA_LOSS, "bytes"),
     ("stray", Code.DATA_LOSS, "not requested"),
     ("truncated", Code.DATA_LOSS, "truncated"),
-    ("abort", Code.UNAVAILABLE, "prefill went away"),
+    ("abort", Code.ABORTED, "UNAVAILABLE: prefill went away"),
 ])
 async def test_bad_chunks_fail_the_request_and_free_its_blocks(cluster, bad_prefill, flaw,
                                                               code, text):

@@ -146,3 +146,41 @@ async def test_a_stalled_decode_loop_turns_health_503_and_back(stallable, model_
           f"{grpc_latency:.2f}s of stall, /health 503 after {http_latency:.2f}s; "
           f"SERVING {grpc_recovery:.2f}s and /health 200 {http_recovery:.2f}s after the stall "
           "ended")
+
+
+class _Clock:
+    """The two readings StallWatchdog takes from an AsyncEngine, set by the test."""
+
+    def __init__(self) -> None:
+        self.since_progress = 0.0
+        self.in_step = 0.0
+
+    def seconds_since_progress(self) -> float:
+        return self.since_progress
+
+    def seconds_in_step(self) -> float:
+        return self.in_step
+
+
+async def test_watchdog_tells_a_long_step_from_a_stall():
+    """A running step is work for up to IN_STEP_FACTOR x stall_timeout; a loop that starts no
+    step with work queued is a stall after stall_timeout."""
+    from services.common.readiness import IN_STEP_FACTOR, StallWatchdog
+
+    changes: list[bool] = []
+
+    async def on_change(stalled: bool, seconds: float) -> None:
+        changes.append(stalled)
+
+    clock = _Clock()
+    dog = StallWatchdog(clock, stall_timeout=30.0, interval=1.0,  # type: ignore[arg-type]
+                        on_change=on_change)
+    clock.since_progress, clock.in_step = 45.0, 44.0  # one long chunked-prefill step
+    assert await dog.check() is False
+    clock.since_progress = clock.in_step = 30.0 * IN_STEP_FACTOR + 1  # hung inside the step
+    assert await dog.check() is True
+    clock.since_progress, clock.in_step = 0.5, 0.0  # the step finished
+    assert await dog.check() is False
+    clock.since_progress, clock.in_step = 31.0, 0.0  # work queued, no step started
+    assert await dog.check() is True
+    assert changes == [True, False, True]

@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from services.gateway.errors import from_grpc_error
 from tests.services.gateway.fake_engine import start_fake_cluster
 from tests.services.gateway.helpers import (
     CHAT,
@@ -121,7 +122,9 @@ async def test_unknown_model_route_and_method(gateway):
         model="no-such-model")), 404)
     assert err["param"] == "model"
     assert_error_object(await gateway.http.get("/v1/nothing"), 404)
-    assert_error_object(await gateway.http.get(CHAT), 405)
+    r = await gateway.http.get(CHAT)
+    assert_error_object(r, 405)
+    assert r.headers["allow"] == "POST"
     await _still_serving(gateway)
 
 
@@ -158,9 +161,16 @@ async def test_api_key(make_gateway, monkeypatch):
     (grpc.StatusCode.INVALID_ARGUMENT, 400),
 ])
 @pytest.mark.parametrize("where", ["prefill", "decode"])
-async def test_engine_status_mapping(gateway, code, status, where):
+async def test_engine_status_mapping(gateway, code, status, where, monkeypatch):
     getattr(gateway, where).rec.fail_with = code
     body = chat_body(max_tokens=4, temperature=0)  # greedy: never ends at the prefill
+    if (where, code) == ("decode", grpc.StatusCode.RESOURCE_EXHAUSTED):
+        # A full decode after the prefill's first token: the request waits for room
+        # (test_failover_unit.py); here the wait runs out: 503, not a 429.
+        import services.gateway.serving as serving
+
+        monkeypatch.setattr(serving, "OVERLOAD_MAX_WAIT_S", 0.3)
+        status = 503
     if (where, code) == ("prefill", grpc.StatusCode.UNAVAILABLE):
         # failover: the decode instance prefills itself (test_failover_unit.py)
         assert (await gateway.http.post(CHAT, json=body)).status_code == 200
@@ -170,6 +180,49 @@ async def test_engine_status_mapping(gateway, code, status, where):
         await _wait(lambda: gateway.prefill.rec.aborted)
     getattr(gateway, where).rec.fail_with = None
     await _still_serving(gateway)
+
+
+async def _oversized_grpc_errors() -> list[grpc.aio.AioRpcError]:
+    """Real gRPC RESOURCE_EXHAUSTED for messages over a channel's limit: a reply over the
+    client's receive limit, a request over its send limit, a request over the server's."""
+    async def echo(request: bytes, context) -> bytes:
+        return request * 2
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4096)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    errors = []
+    try:
+        for options, size in (([("grpc.max_receive_message_length", 1000)], 600),
+                              ([("grpc.max_send_message_length", 1000)], 2000),
+                              ([], 5000)):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await ch.unary_unary("/t.Echo/Echo")(b"x" * size, timeout=5)
+                errors.append(info.value)
+    finally:
+        await server.stop(None)
+    return errors
+
+
+async def test_oversized_grpc_message_is_400_not_429():
+    """RESOURCE_EXHAUSTED from a message size limit would fail again: a 400 saying why;
+    an engine's own RESOURCE_EXHAUSTED (its queue is full) stays a retryable 429."""
+    errors = await _oversized_grpc_errors()
+    for e in errors:
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        mapped = from_grpc_error(e, "decode")
+        assert mapped.status_code == 400, e.details()
+        assert "internal message limit" in mapped.message
+        assert "larger than max" in mapped.message
+    details = " | ".join(e.details() for e in errors)
+    assert "Received message larger than max" in details, details
+    assert "Sent message larger than max" in details, details
+    queue_full = grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                      grpc.aio.Metadata(), details="waiting queue is full")
+    assert from_grpc_error(queue_full, "prefill").status_code == 429
 
 
 async def test_no_backend_is_503(make_gateway, fake_model):

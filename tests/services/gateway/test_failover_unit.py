@@ -130,15 +130,46 @@ async def test_spent_retry_budget_ends_the_stream_with_an_error_event(model_path
     assert (stats.decode_failovers, stats.exhausted) == (1, 1)
 
 
-@pytest.mark.parametrize("code,status", [(grpc.StatusCode.INVALID_ARGUMENT, 400),
-                                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429)])
-async def test_request_errors_are_not_retried(model_path, cluster2, code, status):
+async def test_request_errors_are_not_retried(model_path, cluster2):
     async with running_gateway(model_path, cluster2) as gw:
-        cluster2.decodes[0].rec.fail_with = code
-        assert_error_object(await gw.http.post(CHAT, json=_body(CHAT, max_tokens=4)), status)
+        cluster2.decodes[0].rec.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+        assert_error_object(await gw.http.post(CHAT, json=_body(CHAT, max_tokens=4)), 400)
         assert len(cluster2.decodes[0].rec.requests) == 1
         assert not cluster2.decodes[1].rec.requests
         await _wait(lambda: cluster2.prefills[0].rec.aborted)  # its pin released
+
+
+async def test_a_full_decode_makes_a_started_request_wait_not_fail(model_path, cluster2):
+    """RESOURCE_EXHAUSTED from Generate after the prefill's first token: no 429 mid-stream;
+    the request waits, is placed again (the other decode here), and the full instance is
+    not marked failed."""
+    body = _body(COMPLETIONS, max_tokens=12, ignore_eos=True)
+    async with running_gateway(model_path, cluster2) as gw:
+        reference = await stream(gw.http, COMPLETIONS, body)
+        await cluster2.reset()
+        d0, d1 = cluster2.decodes
+        d0.rec.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+        got = await stream(gw.http, COMPLETIONS, body)
+        engine = gw.app.state.gateway.engine
+        stats = engine.failover_stats
+        assert engine.health.is_usable(d0.address)
+    assert not [c for c in got if "error" in c]
+    assert _choices(got) == _choices(reference)
+    assert len(d0.rec.requests) == 1 and len(d1.rec.requests) == 1
+    assert (stats.overload_waits, stats.decode_failovers, stats.exhausted) == (1, 0, 0)
+
+
+async def test_decodes_full_for_too_long_end_with_503(model_path, cluster2, monkeypatch):
+    import services.gateway.serving as serving
+
+    monkeypatch.setattr(serving, "OVERLOAD_MAX_WAIT_S", 1.0)
+    async with running_gateway(model_path, cluster2) as gw:
+        for d in cluster2.decodes:
+            d.rec.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+        events = await stream(gw.http, COMPLETIONS, _body(COMPLETIONS, max_tokens=4))
+        stats = gw.app.state.gateway.engine.failover_stats
+    assert events[-1]["error"]["code"] == 503  # after the first token: an error event
+    assert stats.overload_waits == 2 and stats.exhausted == 1  # waits 0.25 + 0.5 (+1 > 1 s)
 
 
 async def test_failed_prefill_goes_to_another_prefill_then_to_local_prefill(model_path,

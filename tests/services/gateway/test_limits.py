@@ -1,5 +1,7 @@
 """Issue 6: the waiting queue (429 + Retry-After, released on every exit path), the input
-limits (each a 400 naming its param), and /openapi.json. Real gateway, fake engines."""
+limits (each a 400 naming its param), prompt sizes bounded before tokenizing (/tokenize and
+the sum of a request's prompts), one stop table per request, and /openapi.json. Real gateway,
+fake engines."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from services.gateway import serving_base
 from services.gateway.admission import AdmissionQueue
 from tests.services.gateway.conftest import running_gateway
 from tests.services.gateway.helpers import (
@@ -253,3 +256,54 @@ def _walk(node):
             yield from _walk(v)
     else:
         yield node
+
+
+# ---- prompt size before tokenizing; the stop table
+
+
+def _hopeless_chars(gw) -> int:
+    """Characters over which a prompt is refused untokenized (4 x the fake's 2048 context)."""
+    return gw.app.state.gateway.completion._max_token_chars * 4 * 2048
+
+
+async def test_tokenize_and_the_sum_of_prompts_are_bounded_before_tokenizing(gateway):
+    """A hopeless /tokenize is a 400 (it would hold the one tokenizer thread for seconds),
+    and so is a completion whose prompts are each under the bound but together over it."""
+    limit = _hopeless_chars(gateway)
+    text = "word " * (limit // 5 + 1)
+    for body, param in (({"prompt": text}, "prompt"),
+                        ({"messages": [{"role": "user", "content": text}]}, "messages")):
+        err = assert_error_object(await gateway.http.post("/tokenize", json=body), 400)
+        assert err["param"] == param and f"{len(text)} characters" in err["message"]
+    part = "word " * (limit // 15 + 1)  # a third of the bound: 4 of them are over it
+    err = assert_error_object(await gateway.http.post(COMPLETIONS, json=completion_body(
+        [part] * 4, max_tokens=2)), 400)
+    assert err["param"] == "prompt" and f"{4 * len(part)} characters" in err["message"]
+    assert not gateway.prefill.rec.requests and not gateway.decode.rec.requests
+    ok = await gateway.http.post("/tokenize", json={"prompt": " ".join(["word"] * 100)})
+    assert ok.status_code == 200 and ok.json()["count"] == 100
+
+
+async def test_one_stop_table_per_request_shared_by_its_choices(gateway, monkeypatch):
+    """The defaults' most stop strings (32 x 512 characters), n=16: one table is built."""
+    built = []
+
+    class CountingTable(serving_base.StopTable):
+        __slots__ = ()
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(serving_base, "StopTable", CountingTable)
+    stop = [chr(0x4E00 + i) * 512 for i in range(31)] + ["UNO DUE TRE"]
+    r = await gateway.http.post(COMPLETIONS, json=completion_body(
+        n=16, max_tokens=60, temperature=0, stop=stop))
+    assert r.status_code == 200, r.text
+    assert len(built) == 1
+    choices = r.json()["choices"]
+    assert len(choices) == 16
+    for c in choices:
+        assert c["text"] == "Hello there! Counting: 1 2 3 4 5 6 7 8 9 10. Café 🙂 and 你好世界, "
+        assert (c["finish_reason"], c["stop_reason"]) == ("stop", "UNO DUE TRE")
+    await _drained(gateway)

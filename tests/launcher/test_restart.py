@@ -1,0 +1,170 @@
+"""The real Launcher supervising small HTTP servers in place of the services: a decode killed
+with SIGKILL is reaped and started again (its lines still prefixed, still tied to the
+launcher's life), a SIGTERM during the backoff starts nothing, and the gateway's death stops
+everything."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads /proc; PR_SET_PDEATHSIG is Linux")
+
+SERVER = textwrap.dedent("""
+    import http.server, os, signal, sys
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *args):
+            pass
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+    print("serving pid", os.getpid(), flush=True)
+    server.serve_forever()
+""")
+
+LAUNCHER = textwrap.dedent("""
+    import json, os, sys
+    from services.launcher.config import UpConfig
+    from services.launcher.plan import ChildSpec, Plan, Probe
+    from services.launcher.process import LogSink
+    from services.launcher.supervise import Backoff
+    from services.launcher.up import Launcher
+    from shared.engine_args import EngineArgs
+    server, ports, initial = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+    children = tuple(
+        ChildSpec(name, (sys.executable, "-c", server, str(port)),
+                  Probe("http", f"http://127.0.0.1:{port}/health"), stage=stage,
+                  ports=(port,))
+        for (name, port), stage in zip(ports.items(), (1, 0)))
+    plan = Plan(children, f"http://127.0.0.1:{ports['gateway']}", "redis://unused", "m")
+    config = UpConfig(engine_args=EngineArgs(), shutdown_timeout=10, startup_timeout=60)
+    sys.exit(Launcher(plan, config, LogSink(sys.stdout, width=8),
+                      Backoff(initial=initial)).run())
+""")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie left unreaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _reaped(pid: int, parent: int) -> bool:
+    """No longer a process (nor a zombie) under `parent`."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return int(fields[1]) != parent
+
+
+class Run:
+    """One launcher subprocess; its output collected in `log`."""
+
+    def __init__(self, tmp_path: Path, initial_backoff: float) -> None:
+        decode, gateway = _free_ports(2)
+        self.log = tmp_path / f"launcher-{decode}.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", LAUNCHER, SERVER,
+                 json.dumps({"decode-0": decode, "gateway": gateway}), str(initial_backoff)],
+                stdout=out, stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_line(self, needle: str, count: int = 1, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.text().count(needle) < count:
+            assert time.monotonic() < deadline, f"no {needle!r}:\n{self.text()}"
+            time.sleep(0.05)
+
+    def pids(self, name: str) -> list[int]:
+        return [int(line.split()[-1]) for line in self.text().splitlines()
+                if line.startswith(f"[{name}]") and "serving pid" in line]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    started: list[Run] = []
+    yield lambda initial: started.append(Run(tmp_path, initial)) or started[-1]
+    for run in started:
+        run.close()
+
+
+def test_a_killed_decode_is_reaped_and_started_again(runs):
+    run = runs(0.5)
+    run.wait_line("Stop with Ctrl-C.")
+    [old] = run.pids("decode-0")
+    [gateway] = run.pids("gateway")
+    subprocess.run(["kill", "-9", str(old)], check=True)
+    run.wait_line("serving pid", count=3)  # the new decode's line, with its prefix
+    [_, new] = run.pids("decode-0")
+    run.wait_line("[pdserve]  decode-0 is ready again")
+    text = run.text()
+    assert "[pdserve]  decode-0 exited unexpectedly with code -9; restarting it in 0.5 s " \
+           "(restart 1 in a row)" in text, text
+    assert "[pdserve]  restarting decode-0" in text
+    assert new != old and _alive(new) and _alive(gateway) and run.proc.poll() is None
+    assert _reaped(old, run.proc.pid)
+    run.proc.kill()  # the restarted child was forked by the main thread: it dies too
+    run.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while _alive(new) or _alive(gateway):
+        assert time.monotonic() < deadline, "children outlived their SIGKILLed launcher"
+        time.sleep(0.05)
+
+
+def test_sigterm_during_the_backoff_starts_nothing(runs):
+    run = runs(30.0)
+    run.wait_line("Stop with Ctrl-C.")
+    [old] = run.pids("decode-0")
+    [gateway] = run.pids("gateway")
+    subprocess.run(["kill", "-9", str(old)], check=True)
+    run.wait_line("restarting it in 30 s")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(20) == 1  # decode-0 ended by SIGKILL: not a clean stop
+    text = run.text()
+    assert "restarting decode-0" not in text and len(run.pids("decode-0")) == 1, text
+    assert "stopped: decode-0 ended by SIGKILL, gateway exit 0" in text, text
+    assert not _alive(gateway)
+
+
+def test_the_gateway_dying_stops_everything(runs):
+    run = runs(0.5)
+    run.wait_line("Stop with Ctrl-C.")
+    [decode] = run.pids("decode-0")
+    [gateway] = run.pids("gateway")
+    subprocess.run(["kill", "-9", str(gateway)], check=True)
+    assert run.proc.wait(20) == 1
+    text = run.text()
+    assert "gateway exited unexpectedly with code -9; stopping everything" in text, text
+    assert "stopped: decode-0 exit 0, gateway ended by SIGKILL" in text, text
+    assert not _alive(decode) and len(run.pids("gateway")) == 1
