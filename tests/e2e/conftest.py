@@ -67,6 +67,16 @@ def redis_server() -> Iterator[RedisServer | None]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def redis_cluster(model_path, redis_server) -> AsyncIterator[Cluster]:
+    """Real prefill + decode registered in the module's real Redis (skipped without one)."""
+    if redis_server is None:
+        pytest.skip("redis-server is not installed (the Redis index is part of the check)")
+    c = await start_cluster(model_path, redis_server.url, **E2E_ENGINE)
+    yield c
+    await c.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def real_cluster(model_path, offline_answers) -> AsyncIterator[Cluster]:
     c = await start_cluster(model_path, None, **E2E_ENGINE)
     yield c

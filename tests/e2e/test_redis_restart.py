@@ -23,10 +23,10 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from tests.e2e.conftest import E2E_ENGINE, Urls
+from tests.e2e.conftest import Urls
 from tests.e2e.soak_helpers import Plan, complete_problems, make_plan, send, shared_prefixes
 from tests.services.gateway.conftest import RunningGateway, running_gateway
-from tests.services.helpers import Cluster, RedisServer, cached_hashes, index_matches, start_cluster
+from tests.services.helpers import Cluster, RedisServer, cached_hashes, index_matches
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -39,12 +39,8 @@ SEED = 7
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def cluster(model_path, redis_server) -> AsyncIterator[Cluster]:
-    if redis_server is None:
-        pytest.skip("redis-server is not installed")
-    c = await start_cluster(model_path, redis_server.url, **E2E_ENGINE)
-    yield c
-    await c.close()
+async def cluster(redis_cluster) -> Cluster:
+    return redis_cluster
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from tests.e2e.conftest import E2E_ENGINE, Urls
+from tests.e2e.conftest import Urls
 from tests.e2e.soak_helpers import (
     COMPLETIONS,
     EngineIdSpy,
@@ -41,7 +41,7 @@ from tests.e2e.soak_helpers import (
     shared_prefixes,
 )
 from tests.services.gateway.conftest import RunningGateway, running_gateway
-from tests.services.helpers import Cluster, start_cluster
+from tests.services.helpers import Cluster
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
@@ -55,22 +55,13 @@ SEED = 20261129
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def soak_cluster(model_path, redis_server) -> AsyncIterator[Cluster]:
-    if redis_server is None:
-        pytest.skip("redis-server is not installed (the Redis index is part of the check)")
-    c = await start_cluster(model_path, redis_server.url, **E2E_ENGINE)
-    yield c
-    await c.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def soak_gateway(model_path, soak_cluster, redis_server) -> AsyncIterator[RunningGateway]:
-    urls = Urls((soak_cluster.prefill.identity.address,),
-                (soak_cluster.decode.identity.address,))
+async def soak_gateway(model_path, redis_cluster, redis_server) -> AsyncIterator[RunningGateway]:
+    urls = Urls((redis_cluster.prefill.identity.address,),
+                (redis_cluster.decode.identity.address,))
     # The registry (cache-aware routing) and the static lists as the fallback; the served
     # name must be the engine's, under which the instances register.
     async with running_gateway(model_path, urls,  # type: ignore[arg-type]
-                               served_model_name=soak_cluster.prefill.worker.model_name,
+                               served_model_name=redis_cluster.prefill.worker.model_name,
                                redis_url=redis_server.url, rpc_timeout=10.0) as gw:
         yield gw
 
@@ -179,7 +170,7 @@ class HealthProbe:
         self._task.cancel()
 
 
-async def test_soak_1000_requests_leave_nothing_behind(soak_gateway, soak_cluster):
+async def test_soak_1000_requests_leave_nothing_behind(soak_gateway, redis_cluster):
     rng = random.Random(SEED)
     prefixes = shared_prefixes(SEED)
     model = soak_gateway.config.served_model_name
@@ -193,7 +184,7 @@ async def test_soak_1000_requests_leave_nothing_behind(soak_gateway, soak_cluste
     async def bounded(plan: Plan) -> None:
         async with semaphore:
             try:
-                await run_one(http, soak_cluster, spy, plan, tally)
+                await run_one(http, redis_cluster, spy, plan, tally)
             except Exception as e:  # a dropped connection, a timeout: counted, then failed
                 tally.outcomes["client_exception"] += 1
                 tally.bad(plan, f"{type(e).__name__}: {e}")
@@ -206,7 +197,7 @@ async def test_soak_1000_requests_leave_nothing_behind(soak_gateway, soak_cluste
         with HealthProbe(soak_gateway.url) as health:
             await asyncio.gather(*(bounded(p) for p in plans))
         run_seconds = time.monotonic() - t0
-        audit = await audit_pools(soak_cluster, timeout=30)
+        audit = await audit_pools(redis_cluster, timeout=30)
         drain_seconds = time.monotonic() - t0 - run_seconds
         kv_audit = (await http.get("/debug/kv-audit")).json()  # the gateway's own audit
         # The gateway still serves after all that.

@@ -18,13 +18,11 @@ import redis.asyncio as aioredis
 
 from services.gateway.tenancy import tenant_cache_salt
 from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from tests.e2e.conftest import E2E_ENGINE, Urls
+from tests.e2e.conftest import Urls
 from tests.services.gateway.conftest import RunningGateway, running_gateway
 from tests.services.helpers import (
-    Cluster,
     get_states,
     index_matches,
-    start_cluster,
     wait_leak_free,
 )
 
@@ -56,24 +54,15 @@ def prompt_ids(tokenizer) -> list[int]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def tenant_cluster(model_path, redis_server) -> AsyncIterator[Cluster]:
-    if redis_server is None:
-        pytest.skip("redis-server is not installed")
-    c = await start_cluster(model_path, redis_server.url, **E2E_ENGINE)
-    yield c
-    await c.close()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def tenant_gateway(model_path, tenant_cluster, redis_server
+async def tenant_gateway(model_path, redis_cluster, redis_server
                          ) -> AsyncIterator[tuple[RunningGateway, list[tuple[bytes, ...]]]]:
     """The gateway, and the block hashes of every routing lookup it makes in Redis."""
-    urls = Urls((tenant_cluster.prefill.identity.address,),
-                (tenant_cluster.decode.identity.address,))
+    urls = Urls((redis_cluster.prefill.identity.address,),
+                (redis_cluster.decode.identity.address,))
     async with running_gateway(
             model_path, urls,  # type: ignore[arg-type]
             api_key=f"{KEY_A},{KEY_B}", redis_url=redis_server.url,
-            served_model_name=tenant_cluster.prefill.worker.model_name,
+            served_model_name=redis_cluster.prefill.worker.model_name,
             rpc_timeout=10.0) as gw:
         registry = gw.app.state.gateway.engine.placer.registry
         lookups: list[tuple[bytes, ...]] = []
@@ -117,10 +106,10 @@ async def test_tenants_do_not_share_cached_prefixes(tenant_gateway, prompt_ids):
     assert len(texts) == 1  # the salt changes the cache, not the answer
 
 
-async def test_salts_separate_redis_and_routing(tenant_gateway, tenant_cluster, prompt_ids,
+async def test_salts_separate_redis_and_routing(tenant_gateway, redis_cluster, prompt_ids,
                                                 redis_server):
     gw, lookups = tenant_gateway
-    c = tenant_cluster
+    c = redis_cluster
     prefill_state, _ = await get_states(c)
     model, bs = prefill_state.model, prefill_state.block_size
     assert await index_matches(c)
@@ -154,9 +143,9 @@ async def test_salts_separate_redis_and_routing(tenant_gateway, tenant_cluster, 
         await r.aclose()
 
 
-async def test_kv_audit_on_real_instances(tenant_gateway, tenant_cluster):
+async def test_kv_audit_on_real_instances(tenant_gateway, redis_cluster):
     gw, _ = tenant_gateway
-    states = await wait_leak_free(tenant_cluster)
+    states = await wait_leak_free(redis_cluster)
     assert (await gw.http.get("/debug/kv-audit")).status_code == 401
     r = await gw.http.get("/debug/kv-audit", headers=_bearer(KEY_B), timeout=60)
     assert r.status_code == 200, r.text
