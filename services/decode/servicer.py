@@ -16,6 +16,7 @@ from services.common.convert import (
 )
 from services.common.errors import abort_with
 from services.common.server import ServiceRuntime
+from services.common.servicer import EngineServicerBase
 from services.decode.worker import DecodeWorker
 from shared.proto import engine_pb2 as pb
 from shared.proto import engine_pb2_grpc
@@ -23,14 +24,8 @@ from shared.proto import engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, runtime: ServiceRuntime) -> None:
-        self.runtime = runtime
-
-    def _worker(self, new_request: bool = False) -> DecodeWorker:
-        worker = self.runtime.require_worker(new_request)
-        assert isinstance(worker, DecodeWorker)
-        return worker
+class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeServiceServicer):
+    worker_type = DecodeWorker
 
     async def Generate(self, request: pb.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> None:
@@ -64,25 +59,6 @@ class DecodeServicer(engine_pb2_grpc.DecodeServiceServicer):
                                     out.finish_reason.value)
         except Exception as e:
             await abort_with(context, e, rid, "Generate")
-
-    async def Abort(self, request: pb.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        ids = list(request.request_ids)
-        try:
-            aborted = await self._worker().abort(ids)
-        except Exception as e:
-            await abort_with(context, e, ",".join(ids), "Abort")
-        for rid in aborted:
-            logger.info("[%s] aborted", rid)
-        return pb.AbortResponse(aborted_request_ids=aborted)
-
-    async def GetState(self, request: pb.GetStateRequest,
-                       context: grpc.aio.ServicerContext) -> pb.EngineState:
-        try:
-            state = await self._worker().get_state(request.check_invariants)
-        except Exception as e:
-            await abort_with(context, e, "-", "GetState")
-        return pb.EngineState(**state._asdict())
 
 
 def add_decode_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:

@@ -16,6 +16,7 @@ from services.common.convert import (
 )
 from services.common.errors import abort_with
 from services.common.server import ServiceRuntime
+from services.common.servicer import EngineServicerBase
 from services.prefill.worker import PrefillWorker
 from shared.kv_transfer.codec import KVChunkData
 from shared.proto import engine_pb2 as pb
@@ -24,14 +25,8 @@ from shared.proto import engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, runtime: ServiceRuntime) -> None:
-        self.runtime = runtime
-
-    def _worker(self, new_request: bool = False) -> PrefillWorker:
-        worker = self.runtime.require_worker(new_request)
-        assert isinstance(worker, PrefillWorker)
-        return worker
+class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.PrefillServiceServicer):
+    worker_type = PrefillWorker
 
     async def Prefill(self, request: pb.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -88,25 +83,6 @@ class PrefillServicer(engine_pb2_grpc.PrefillServiceServicer):
             await abort_with(context, e, request.request_id, "ReleaseKV")
         logger.debug("[%s] ReleaseKV: released=%s", request.request_id, released)
         return pb.ReleaseKVResponse(released=released)
-
-    async def Abort(self, request: pb.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        ids = list(request.request_ids)
-        try:
-            aborted = await self._worker().abort(ids)
-        except Exception as e:
-            await abort_with(context, e, ",".join(ids), "Abort")
-        for rid in aborted:
-            logger.info("[%s] aborted", rid)
-        return pb.AbortResponse(aborted_request_ids=aborted)
-
-    async def GetState(self, request: pb.GetStateRequest,
-                       context: grpc.aio.ServicerContext) -> pb.EngineState:
-        try:
-            state = await self._worker().get_state(request.check_invariants)
-        except Exception as e:
-            await abort_with(context, e, "-", "GetState")
-        return pb.EngineState(**state._asdict())
 
 
 def add_prefill_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
