@@ -160,7 +160,8 @@ class Placer:
                                      block_extra_keys(model_name, cache_salt))
         try:
             return dict(await self.registry.longest_prefix(hashes))
-        except Exception:  # no affinity without the index, but still serve
+        except Exception as e:  # no affinity without the index, but still serve
+            logger.warning("prefix lookup in the registry failed (%r): placing by load", e)
             return {}
 
     async def place(self, prompt_token_ids: Sequence[int], *, model_name: str,
@@ -170,7 +171,10 @@ class Placer:
         """Pick the instances for one engine request; None when no decode instance exists
         (or none is usable). `local_prefill`: always let the decode instance prefill."""
         cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size)
-        decode = self._best(await self._decode_candidates(cached, avoid))
+        candidates = await self._decode_candidates(cached, avoid)
+        decode = self._best(candidates)
+        logger.debug("placement: cached blocks %s, decode candidates %s -> %s", cached,
+                     candidates, decode)
         if decode is None:
             return None
         if local_prefill:

@@ -33,7 +33,10 @@ async def test_repeated_prefix_goes_to_the_instances_holding_it(make_gateway, fa
                                 decode_urls=())
         assert (await gw.http.get("/health")).status_code == 200
         for _ in range(3):
-            r = await gw.http.post(COMPLETIONS, json=completion_body(PROMPT, max_tokens=3))
+            # NOTE: greedy and ignore_eos: a sampled first token may be EOS, and a request
+            # that ends at the prefill never reaches a decode instance.
+            r = await gw.http.post(COMPLETIONS, json=completion_body(
+                PROMPT, max_tokens=3, temperature=0, ignore_eos=True))
             assert r.status_code == 200, r.text
         assert len(fakes.prefills[1].rec.requests) == 3 and not fakes.prefills[0].rec.requests
         assert len(fakes.decodes[1].rec.requests) == 3 and not fakes.decodes[0].rec.requests
