@@ -94,6 +94,14 @@ class SchedulerConfig:
     """Same as ModelConfig.max_model_len; copied so the scheduler needs no ModelConfig."""
     long_prefill_token_threshold: int = 0
     """If > 0, a prefill chunk is capped at this many tokens per step."""
+    scheduling_policy: Literal["sjf", "fcfs"] = "sjf"
+    """Which waiting request is admitted next. "sjf": the one with the fewest tokens left
+    to compute (shortest job first: a burst's median request gets its first token after the
+    short prompts, not after half of all prompt tokens), except that requests waiting longer
+    than `max_wait_s` go first, oldest first, so no long prompt starves; "fcfs": arrival
+    order. Preempted requests resume before either."""
+    max_wait_s: float = 10.0
+    """"sjf": seconds after which a waiting request is admitted in arrival order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +113,7 @@ class ParallelConfig:
     """Core ids this process binds to (sched_setaffinity); empty means no binding."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, the torch implementation on CPU."""
+    core_share: str = ""
+    """Path of the host's core-share board (`shared/engine/core_share.py`): the engines of
+    one host size their thread pools, step by step, to their share of the cores among those
+    busy now; empty means a fixed thread count."""

@@ -60,6 +60,8 @@ class EngineArgs:
     cpu_cores: str = ""
     num_threads: int = 0
     attention_backend: str = "auto"
+    core_share: str = ""
+    scheduling_policy: str = "sjf"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -90,12 +92,21 @@ class EngineArgs:
                        default=int(env("max_num_seqs", d.max_num_seqs)))
         g.add_argument("--max-num-batched-tokens", type=int,
                        default=int(env("max_num_batched_tokens", d.max_num_batched_tokens)))
+        g.add_argument("--scheduling-policy", default=env("scheduling_policy",
+                                                          d.scheduling_policy),
+                       choices=["sjf", "fcfs"],
+                       help="waiting requests: shortest prompt first (with a 10 s aging "
+                            "bound) or arrival order")
         g.add_argument("--device", default=env("device", d.device), choices=["cpu", "cuda"])
         g.add_argument("--cpu-cores", default=env("cpu_cores", d.cpu_cores),
                        help="cores to bind to, e.g. 0-1")
         g.add_argument("--num-threads", type=int, default=int(env("num_threads", 0)))
         g.add_argument("--attention-backend", default=env("attention_backend", "auto"),
                        choices=["auto", "torch", "triton"])
+        g.add_argument("--core-share", default=env("core_share", d.core_share),
+                       help="host-local core-share board file shared by the engines of one "
+                            "host (each step takes its share of the cores among the busy "
+                            "engines); `pdserve up` passes one; empty: fixed thread count")
         return parser
 
     @classmethod
@@ -135,11 +146,13 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.block_size),
-            max_model_len=max_model_len)
+            max_model_len=max_model_len,
+            scheduling_policy=self.scheduling_policy)  # type: ignore[arg-type]
         parallel_config = ParallelConfig(device=self.device,  # type: ignore[arg-type]
                                          num_threads=self.num_threads,
                                          cpu_cores=parse_cores(self.cpu_cores),
-                                         attention_backend=self.attention_backend)  # type: ignore
+                                         attention_backend=self.attention_backend,  # type: ignore
+                                         core_share=self.core_share)
         logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,
                     parallel_config)
         return model_config, cache_config, scheduler_config, parallel_config

@@ -38,7 +38,14 @@ class UpConfig:
     """Override: the prefill replicas' cores (split among them); None = derived."""
     decode_cpu_cores: tuple[int, ...] | None = None
     cpu_split: bool = True
-    """False: no binding, every engine process may use every core."""
+    """Without the core share: True binds prefill and decode to disjoint cores; False: no
+    binding, every engine process may use every core."""
+    cpu_share: bool = True
+    """Every engine may use every core of `cpu_cores` and takes, each step, its share among
+    the engines busy now (`shared/engine/core_share.py`); off, or with a per-role core
+    override, the static split (`cpu_split`) applies."""
+    core_share_path: str = ""
+    """The host's core board (default: `default_board_path()`, one per host)."""
     prefill_port: int | None = None
     """First prefill gRPC port (replica i gets +i); None = free ports."""
     decode_port: int | None = None
@@ -77,12 +84,19 @@ _GATEWAY_FLAGS = (
     ("local-prefill-threshold", int,
      "prompts with fewer uncached tokens are prefilled on the decode instance"),
 )
+UP_LOCAL_PREFILL_THRESHOLD = 256
+"""`pdserve up`'s default --local-prefill-threshold: conditional disaggregation, as NVIDIA
+Dynamo's `max_local_prefill_length`: a short prompt costs more to ship than to prefill in
+the decode batch, and every prompt with this many uncached tokens still goes through the
+prefill service and a KV transfer."""
 
 
 def _gateway_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     out: list[str] = []
     for flag, _, _ in _GATEWAY_FLAGS:
         value = getattr(ns, flag.replace("-", "_"))
+        if flag == "local-prefill-threshold" and value is None:
+            value = UP_LOCAL_PREFILL_THRESHOLD
         if value is not None:
             out += [f"--{flag}", str(value)]
     return tuple(out)
@@ -109,8 +123,11 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="cores for the prefill replicas, e.g. 0-3 (default: a share of "
                         "--cpu-cores)")
     g.add_argument("--decode-cpu-cores", default=None, help="cores for the decode replicas")
+    g.add_argument("--cpu-share", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engines share the cores: each step an engine takes its share "
+                        "of them among the engines busy now (off: the static --cpu-split)")
     g.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
-                   help="bind prefill and decode to disjoint cores")
+                   help="with --no-cpu-share: bind prefill and decode to disjoint cores")
     for name, text in _PORT_FLAGS.items():
         g.add_argument(f"--{name}", type=int, default=None, help=text + " (default: free)")
     g.add_argument("--redis-url", default=None,
@@ -129,13 +146,14 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     """Validate and freeze. Raises ValueError naming the flag."""
     engine_args = EngineArgs.from_cli_args(ns)
     config = UpConfig(
-        engine_args=dataclasses.replace(engine_args, cpu_cores=""),
+        engine_args=dataclasses.replace(engine_args, cpu_cores="", core_share=""),
         host=ns.host, port=ns.port, api_key=ns.api_key or None,
         gateway_flags=_gateway_flags(ns), internal_token=ns.internal_token or None,
         num_prefill=ns.num_prefill, num_decode=ns.num_decode,
         cpu_cores=parse_cores(engine_args.cpu_cores),
         prefill_cpu_cores=_cores(ns.prefill_cpu_cores),
         decode_cpu_cores=_cores(ns.decode_cpu_cores), cpu_split=ns.cpu_split,
+        cpu_share=ns.cpu_share, core_share_path=engine_args.core_share,
         prefill_port=ns.prefill_port, decode_port=ns.decode_port,
         prefill_metrics_port=ns.prefill_metrics_port,
         decode_metrics_port=ns.decode_metrics_port, redis_port=ns.redis_port,

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from services.launcher.config import UpConfig
-from services.launcher.cores import Cores, available_cores, format_cores, split_cores
+from services.launcher.cores import (
+    Cores,
+    CoreSplit,
+    available_cores,
+    format_cores,
+    split_cores,
+)
+from shared.engine.core_share import default_board_path
 from shared.engine_args import EngineArgs
 
 ProbeKind = Literal["redis", "grpc", "http"]
@@ -101,7 +108,7 @@ def engine_flags(args: EngineArgs) -> list[str]:
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if value is None or (f.name == "cpu_cores" and not value):
+        if value is None or (f.name in ("cpu_cores", "core_share") and not value):
             continue
         if isinstance(value, bool):
             if value != getattr(defaults, f.name):
@@ -133,14 +140,22 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
             Probe("redis", f"127.0.0.1:{redis_port}"), stage=2, ports=(redis_port,)))
     else:
         redis_url = config.redis_url
-    if config.cpu_split:
+    share_path = ""
+    if config.cpu_share and config.prefill_cpu_cores is None \
+            and config.decode_cpu_cores is None:
+        # Every engine on every core; the core board divides them step by step.
+        cores = tuple(config.cpu_cores or available_cores())
+        split = CoreSplit([cores] * n_p, [cores] * n_d)
+        share_path = config.core_share_path or default_board_path()
+    elif config.cpu_split:
         split = split_cores(config.cpu_cores or available_cores(), n_p, n_d,
                             config.prefill_cpu_cores, config.decode_cpu_cores)
     else:
         split = split_cores((), n_p, n_d, config.prefill_cpu_cores or (),
                             config.decode_cpu_cores or ())
     args = dataclasses.replace(config.engine_args, model=model_path,
-                               served_model_name=served_model_name, cpu_cores="")
+                               served_model_name=served_model_name, cpu_cores="",
+                               core_share=share_path)
     grace = max(1.0, config.shutdown_timeout - 5.0)
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
     # NOTE: secrets go by environment, not argv, where `ps` would show them.

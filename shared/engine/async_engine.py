@@ -89,6 +89,8 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.engine.shutdown()
 
     @property
     def has_work(self) -> bool:
@@ -113,6 +115,7 @@ class AsyncEngine:
                 self.stall_hook()
             self._run_ops()
             if not self.engine.has_unfinished_requests():
+                self.engine.mark_idle()
                 self.last_step_time = time.monotonic()
                 self._wake.wait(_IDLE_WAIT_S)
                 self._wake.clear()

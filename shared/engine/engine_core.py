@@ -17,6 +17,7 @@ import os
 import torch
 
 from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from shared.engine.core_share import CoreShare
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -35,12 +36,28 @@ def apply_cpu_placement(parallel_config: ParallelConfig) -> None:
         torch.set_num_threads(threads)
 
 
+def open_core_share(parallel_config: ParallelConfig) -> CoreShare | None:
+    """The host's core board named by `parallel_config.core_share`, sized by this process's
+    cores (its binding, else its affinity); None when not configured."""
+    if not parallel_config.core_share:
+        return None
+    cores = parallel_config.cpu_cores
+    if not cores and hasattr(os, "sched_getaffinity"):
+        cores = tuple(os.sched_getaffinity(0))
+    share = CoreShare(parallel_config.core_share, len(cores) or (os.cpu_count() or 1))
+    logger.info("core share: slot %d of %s over %d cores", share.slot,
+                parallel_config.core_share, share.num_cores)
+    return share
+
+
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
                  hold_finished_blocks: bool = False,
                  enable_kv_cache_events: bool = False) -> None:
         apply_cpu_placement(parallel_config)
+        self.core_share = open_core_share(parallel_config)
+        """This engine's slot on the host's core board; None: a fixed thread count."""
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, parallel_config)
         self.num_gpu_blocks = self.model_runner.num_gpu_blocks
@@ -87,8 +104,22 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def mark_idle(self) -> None:
+        """Tell the host's other engines that this one has no work (core share only)."""
+        if self.core_share is not None:
+            self.core_share.update(busy=False)
+
+    def shutdown(self) -> None:
+        if self.core_share is not None:
+            self.core_share.close()
+
     def step(self) -> list:
         """One scheduling + forward + sampling step; returns the RequestOutputDeltas."""
+        if self.core_share is not None:
+            threads = self.core_share.update(busy=True)
+            # NOTE: per calling thread in OpenMP: this runs on the thread that steps.
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []

@@ -17,6 +17,7 @@ request is dropped. Its freed blocks are only reused by the next schedule().)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -48,7 +49,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting, preempted or running) by id."""
         self.waiting: deque[Request] = deque()
-        """WAITING and PREEMPTED requests, admitted FCFS from the left."""
+        """WAITING and PREEMPTED requests in arrival order (preempted ones at the left);
+        `_admission_order()` says who is admitted first."""
         self.running: list[Request] = []
         """RUNNING requests in admission order; preemption takes from the end (newest)."""
         self.num_preemptions = 0
@@ -148,7 +150,8 @@ class Scheduler:
         `num_tokens - num_computed_tokens` more (one for a decode, a chunk of the prompt
         for a prefill, prompt + output after a preemption), as far as the token budget
         `max_num_batched_tokens` allows. Running requests go first, in admission order;
-        then waiting ones, FCFS, while fewer than `max_num_seqs` run. When a running
+        then waiting ones in `_admission_order()` (shortest first by default), while fewer
+        than `max_num_seqs` run. When a running
         request needs a block and none is free, the newest running request is preempted
         (recompute) until it fits; no waiting request is admitted in such a step.
 
@@ -183,9 +186,10 @@ class Scheduler:
             token_budget -= num_new_tokens
             i += 1
 
-        while (not preempted_ids and self.waiting and token_budget > 0
-               and len(self.running) < config.max_num_seqs):
-            request = self.waiting[0]
+        admitted: list[Request] = []
+        for request in self._admission_order():
+            if preempted_ids or token_budget <= 0 or len(self.running) >= config.max_num_seqs:
+                break
             hits, num_hit_tokens = [], 0
             # NOTE: prompt logprobs need every prompt position's logits: no prefix-cache hits.
             if request.num_computed_tokens == 0 and \
@@ -194,8 +198,8 @@ class Scheduler:
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens + num_hit_tokens, token_budget)
             if kv.allocate_slots(request, num_new_tokens, hits, num_hit_tokens) is None:
-                break  # FCFS: nobody overtakes the head of the queue.
-            self.waiting.popleft()
+                break  # nobody overtakes the head of the admission order
+            admitted.append(request)
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -203,6 +207,12 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._schedule_tokens(request, num_new_tokens))
             token_budget -= num_new_tokens
+        if admitted:
+            if len(admitted) == 1 and self.waiting[0] is admitted[0]:
+                self.waiting.popleft()
+            else:
+                taken = {id(r) for r in admitted}
+                self.waiting = deque(r for r in self.waiting if id(r) not in taken)
 
         # Decodes first: the model runner batches the leading single-token rows together.
         decodes = [s for s in scheduled if s.num_scheduled_tokens == 1 and s.sample]
@@ -260,6 +270,29 @@ class Scheduler:
         return deltas
 
     # -- helpers ----------------------------------------------------------------------------
+
+    def _admission_order(self) -> list[Request]:
+        """The waiting requests in the order `schedule()` tries to admit them.
+
+        Preempted requests first (they sit at the queue's front), then, under "sjf", those
+        waiting longer than `max_wait_s` in arrival order, then the rest by tokens left to
+        compute (ties in arrival order). Source: shortest-job-first minimises mean waiting
+        time (Smith's rule; Schrage 1968 for its preemptive form, SRPT); LLM servers apply it
+        to prompt length (e.g. Fu et al. 2024, "Efficient LLM Scheduling by Learning to
+        Rank"); the wait bound is plain aging.
+        """
+        waiting = self.waiting
+        config = self.scheduler_config
+        if config.scheduling_policy == "fcfs" or len(waiting) < 2:
+            return list(waiting)
+        resumed = [r for r in waiting if r.status == RequestStatus.PREEMPTED]
+        fresh = [r for r in waiting if r.status != RequestStatus.PREEMPTED]
+        deadline = time.monotonic() - config.max_wait_s
+        overdue = sorted((r for r in fresh if r.arrival_time <= deadline),
+                         key=lambda r: r.arrival_time)
+        rest = [r for r in fresh if r.arrival_time > deadline]
+        rest.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)  # stable: ties FCFS
+        return resumed + overdue + rest
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int,
                         token_budget: int) -> int:

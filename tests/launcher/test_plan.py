@@ -13,6 +13,7 @@ from services.launcher.cores import distribute, format_cores, split_cores
 from services.launcher.plan import build_plan, child_env, engine_flags
 from services.launcher.up import curl_line
 from shared.cli import build_parser
+from shared.engine.core_share import default_board_path
 from shared.engine_args import EngineArgs
 
 
@@ -67,7 +68,8 @@ def test_plan_on_two_cores(monkeypatch):
     ports = [p for c in plan.children for p in c.ports]
     assert len(ports) == len(set(ports)) == 6
     assert plan.gateway_url == "http://127.0.0.1:18000"
-    assert [c.cores for c in plan.children] == [(), (0,), (1,), ()]
+    # The core share: both engines may use both cores, and divide them step by step.
+    assert [c.cores for c in plan.children] == [(), (0, 1), (0, 1), ()]
     assert all("sk-test" not in " ".join(c.argv) for c in plan.children)
     assert plan.children[-1].env == {"PDSERVE_API_KEY": "sk-test"}
     assert "PDSERVE_INSTANCE_ID" not in child_env({"PDSERVE_INSTANCE_ID": "x", "PATH": "/b"})
@@ -86,8 +88,10 @@ def test_plan_on_two_cores(monkeypatch):
                 engine.kv_cache_memory, engine.enable_prefix_caching, engine.max_num_seqs,
                 engine.block_size) == ("/models/m", "m", 1024, "256MiB", False, 8, 32)
         assert engine.cpu_cores == format_cores(spec.cores)
+        assert engine.core_share == default_board_path()
 
     ns = parser.parse_args(list(plan.children[-1].argv[3:]))
+    assert ns.local_prefill_threshold == 256  # `pdserve up`'s conditional disaggregation
     assert ns.serve_role == "gateway"
     assert (ns.host, ns.port, ns.model, ns.served_model_name, ns.max_model_len) == \
         ("127.0.0.1", 18000, "/models/m", "m", 1024)
@@ -95,11 +99,24 @@ def test_plan_on_two_cores(monkeypatch):
     assert ns.redis_url == plan.redis_url and ns.block_size == 32
 
 
+def test_plan_without_core_share_splits_the_cores_statically():
+    plan = build_plan(_config("--cpu-cores", "0-1", "--no-cpu-share"), "/m", "m")
+    assert [c.cores for c in plan.children] == [(), (0,), (1,), ()]
+    parser = build_parser()
+    for spec in plan.children[1:3]:
+        engine = EngineArgs.from_cli_args(parser.parse_args(list(spec.argv[3:])))
+        assert engine.core_share == "" and engine.cpu_cores == format_cores(spec.cores)
+    # A per-role override also means a static split.
+    plan = build_plan(_config("--cpu-cores", "0-3", "--decode-cpu-cores", "3"), "/m", "m")
+    assert [c.cores for c in plan.children] == [(), (0, 1, 2), (3,), ()]
+    assert "--core-share" not in plan.children[1].argv
+
+
 def test_plan_with_given_ports_replicas_and_external_redis():
     config = _config("--num-prefill", "2", "--num-decode", "3", "--prefill-port", "20000",
                      "--decode-port", "21000", "--prefill-metrics-port", "22000",
                      "--decode-metrics-port", "23000", "--redis-url", "redis://r:1/0",
-                     "--no-cpu-split", "--host", "0.0.0.0")
+                     "--no-cpu-share", "--no-cpu-split", "--host", "0.0.0.0")
     plan = build_plan(config, "/m", "m")
     assert [c.name for c in plan.children] == [
         "prefill-0", "prefill-1", "decode-0", "decode-1", "decode-2", "gateway"]

@@ -16,12 +16,16 @@ BS = 16
 
 def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
                    max_model_len=256, hold_finished_blocks=False, enable_caching=True,
-                   long_prefill_token_threshold=0) -> Scheduler:
+                   long_prefill_token_threshold=0, scheduling_policy="fcfs") -> Scheduler:
+    # NOTE: these tests spell out budgets, chunks and preemption step by step in arrival
+    # order (FCFS); the default shortest-job-first order has tests of its own
+    # (test_scheduling_policy.py).
     kv = KVCacheManager(num_blocks, BS, enable_caching=enable_caching, model_name="m")
     config = SchedulerConfig(max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
-                             long_prefill_token_threshold=long_prefill_token_threshold)
+                             long_prefill_token_threshold=long_prefill_token_threshold,
+                             scheduling_policy=scheduling_policy)
     return Scheduler(config, kv, hold_finished_blocks=hold_finished_blocks)
 
 
