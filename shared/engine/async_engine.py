@@ -147,11 +147,17 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
     def _dispatch(self, deltas: list[RequestOutputDelta]) -> None:
+        # NOTE: one call_soon_threadsafe per event loop per step, not one per request: each
+        # call wakes the loop through its self-pipe, and a batch of 64 decodes would wake it
+        # 64 times a step.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 loop, q = stream
-                loop.call_soon_threadsafe(q.put_nowait, delta)
+                batches.setdefault(loop, []).append((q, delta))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
         ids = [r.request_id for r in self.engine.abort_requests(request_ids)]
@@ -160,6 +166,11 @@ class AsyncEngine:
 
     def _fail_all(self) -> None:
         self._abort_op(list(self.engine.scheduler.requests))
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
+    for q, delta in batch:
+        q.put_nowait(delta)
 
 
 def _set_result(fut: asyncio.Future, result: Any) -> None:
