@@ -5,6 +5,12 @@ gpt-fast-style single file: RMSNorm, rotary embeddings, GQA attention through
 flattened tokens of a whole mixed batch (prefill chunks and decodes together);
 only the rows that sample a token go through the LM head.
 
+Each decoder layer carries the residual stream separately, as vLLM's do:
+layer(hidden, residual) -> (hidden, residual), so the residual add can be fused into the next
+RMSNorm. On CPU in fp32 the norms, rotary embeddings and SiLU-and-mul run as the fused C ops of
+`kernels.cpu_fused` (bit-identical to the torch ops; chosen once, by `set_fused_cpu_ops`);
+other devices and dtypes run the torch ops.
+
 Source: Touvron et al. 2023 (Llama); Su et al. 2021 (RoPE); Kwon et al. 2023 (PagedAttention).
 """
 
@@ -16,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.models.rotary import RotaryEmbedding, rope_theta_from_config
+from kernels import cpu_fused
+from shared.models.rotary import RotaryEmbedding, RotaryInputs, rope_theta_from_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +79,27 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.use_fused_cpu_ops = False
+        """True: `kernels.cpu_fused` (fp32 CPU weights only; see set_fused_cpu_ops)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> norm(x); with a residual -> (norm(x + residual), x + residual).
+
+        NOTE: the fused path works in place: x and residual are overwritten (vLLM's
+        fused_add_rms_norm), so pass only tensors this step owns.
+        """
+        if self.use_fused_cpu_ops:
+            if residual is None:
+                return cpu_fused.rms_norm(x, self.weight, self.eps)
+            cpu_fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,14 +122,15 @@ class LlamaAttention(nn.Module):
                                   bias=args.attention_bias)
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos_sin: tuple,
+    def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, rotary_inputs: RotaryInputs,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Views into qkv ([T, heads, head_dim], row stride q_size + 2 * kv_size).
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, k, cos_sin)
+        q, k = rotary.apply(q, k, rotary_inputs)
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -115,9 +142,14 @@ class LlamaMLP(nn.Module):
         # NOTE: gate and up share one matmul; the loader stacks gate_proj then up_proj.
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.use_fused_cpu_ops = False
+        """True: silu(gate) * up by `kernels.cpu_fused.silu_and_mul` (see set_fused_cpu_ops)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
+        if self.use_fused_cpu_ops:
+            return self.down_proj(cpu_fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -129,10 +161,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, hidden, rotary, cos_sin, kv_cache, attn) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cos_sin,
-                                         kv_cache, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding, rotary_inputs: RotaryInputs,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (this layer's MLP output, residual stream before adding it).
+
+        The first layer gets residual=None and hidden = the embeddings; the layer's output
+        hidden state is the returned hidden + residual.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, rotary_inputs, kv_cache, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -173,10 +218,25 @@ class LlamaForCausalLM(nn.Module):
             [num_tokens, hidden_size] hidden states before the final norm.
         """
         hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions)
+        residual = None
+        rotary_inputs = self.rotary.prepare(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, self.rotary, cos_sin, kv_cache, attn)
-        return hidden
+            hidden, residual = layer(hidden, residual, self.rotary, rotary_inputs, kv_cache,
+                                     attn)
+        return hidden + residual
+
+    def set_fused_cpu_ops(self, enabled: bool) -> None:
+        """Choose, once after the weights are loaded, between the fused CPU ops and the torch
+        ops for every norm, MLP and the rotary embedding. Enabled needs fp32 weights on CPU
+        and a working C compiler (`kernels.cpu_fused.load_fused_kernels`); otherwise the torch
+        ops stay. Both give bit-identical results."""
+        weight = self.embed_tokens.weight
+        enabled = (enabled and weight.device.type == "cpu" and weight.dtype == torch.float32
+                   and cpu_fused.load_fused_kernels() is not None)
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.use_fused_cpu_ops = enabled
+        self.rotary.use_fused_cpu_ops = enabled
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

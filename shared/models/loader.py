@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels import cpu_fused
 from shared.models.llama import LlamaArgs, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -80,4 +81,5 @@ def load_model(model_path: str | Path, dtype: str = "float32",
     state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.to(device, torch_dtype)
+    model.set_fused_cpu_ops(cpu_fused.is_enabled())
     return model.eval()

@@ -8,8 +8,11 @@ The cos/sin table is computed once in fp32 exactly as transformers computes it p
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
+
+from kernels import cpu_fused
 
 
 def rope_parameters(cfg: dict) -> dict:
@@ -48,6 +51,18 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
+class RotaryInputs(NamedTuple):
+    """One step's rotary inputs, built once by `RotaryEmbedding.prepare` for all layers."""
+
+    positions: torch.Tensor
+    """[num_tokens] int64, each token's position."""
+    cos: torch.Tensor | None
+    """[num_tokens, 1, head_dim] gathered cos rows; None on the fused path (it indexes the
+    table itself)."""
+    sin: torch.Tensor | None
+    """Same for sin."""
+
+
 class RotaryEmbedding:
     """Holds the [max_positions, head_dim] cos/sin tables (fp32)."""
 
@@ -60,20 +75,33 @@ class RotaryEmbedding:
         self.cos = emb.cos()
         self.sin = emb.sin()
         self.half = head_dim // 2
+        self.use_fused_cpu_ops = False
+        """True: rotate in place with `kernels.cpu_fused.rotary_embedding` (fp32 CPU)."""
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> RotaryEmbedding:
         self.cos = self.cos.to(device=device, dtype=dtype)
         self.sin = self.sin.to(device=device, dtype=dtype)
         return self
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] int64 -> (cos, sin), each [num_tokens, 1, head_dim]."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def prepare(self, positions: torch.Tensor) -> RotaryInputs:
+        """positions [num_tokens] int64 -> this step's RotaryInputs (the torch path gathers
+        the cos/sin rows here, once for all layers)."""
+        if self.use_fused_cpu_ops:
+            return RotaryInputs(positions.contiguous(), None, None)
+        return RotaryInputs(positions, self.cos[positions].unsqueeze(1),
+                            self.sin[positions].unsqueeze(1))
 
     def apply(self, q: torch.Tensor, k: torch.Tensor,
-              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, num_heads, D], k [T, num_kv_heads, D] -> rotated copies."""
-        cos, sin = cos_sin
+              inputs: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, num_heads, D], k [T, num_kv_heads, D] -> rotated q, k.
+
+        The torch path returns rotated copies; the fused path rotates q and k in place
+        (views into the qkv projection are fine) and returns them.
+        """
+        if self.use_fused_cpu_ops:
+            cpu_fused.rotary_embedding(q, k, inputs.positions, self.cos, self.sin)
+            return q, k
+        cos, sin = inputs.cos, inputs.sin
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
     def _rotate_half(self, x: torch.Tensor) -> torch.Tensor:

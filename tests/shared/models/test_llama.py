@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.models.llama import LlamaArgs
+from shared.models.llama import LlamaArgs, LlamaForCausalLM
 from shared.models.loader import load_model, read_hf_config
 from shared.models.rotary import RotaryEmbedding, rope_parameters
 
@@ -74,3 +74,50 @@ def test_llama3_rope_scaling_changes_only_low_frequencies():
     a_scaled = torch.atan2(scaled.sin[1], scaled.cos[1])
     assert torch.allclose(a_plain[:4], a_scaled[:4])
     assert torch.allclose(a_scaled[31], a_plain[31] / 8.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_fused_cpu_ops_are_bit_identical_to_the_torch_ops(model, num_threads):
+    """The fp32 CPU model picks `kernels.cpu_fused` at load; switching back to the torch ops
+    must not change one bit of the hidden states or logits."""
+    from kernels import cpu_fused
+
+    if cpu_fused.load_fused_kernels() is None or not cpu_fused.is_enabled():
+        pytest.skip("fused CPU ops unavailable here")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("bit-identity is claimed for torch's AVX2 / AVX-512 kernels only")
+    assert model.rotary.use_fused_cpu_ops and model.layers[0].mlp.use_fused_cpu_ops
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.args.vocab_size, (97,))
+    positions = torch.arange(97)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with torch.inference_mode():
+            fused = model(ids, positions, [(None, None)] * 30, DenseCausalAttention())
+            fused_logits = model.compute_logits(fused[-5:])
+            model.set_fused_cpu_ops(False)
+            assert not model.norm.use_fused_cpu_ops
+            plain = model(ids, positions, [(None, None)] * 30, DenseCausalAttention())
+            plain_logits = model.compute_logits(plain[-5:])
+    finally:
+        model.set_fused_cpu_ops(True)
+        torch.set_num_threads(previous)
+    assert torch.equal(fused, plain)
+    assert torch.equal(fused_logits, plain_logits)
+
+
+def test_fused_cpu_ops_stay_off_for_bf16():
+    args = LlamaArgs(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
+                     rope_theta=10000.0, rope_scaling=None, max_position_embeddings=16,
+                     tie_word_embeddings=True, attention_bias=False)
+    model = LlamaForCausalLM(args).to(torch.bfloat16)
+    model.rotary.to("cpu", torch.bfloat16)
+    model.set_fused_cpu_ops(True)
+    assert not model.rotary.use_fused_cpu_ops
+    assert not any(getattr(m, "use_fused_cpu_ops", False) for m in model.modules())
+    with torch.inference_mode():
+        hidden = model(torch.tensor([1, 2, 3]), torch.arange(3), [(None, None)],
+                       DenseCausalAttention())
+    assert hidden.shape == (3, 16) and hidden.dtype == torch.bfloat16
