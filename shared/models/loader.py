@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels import cpu_fused
+from kernels import cpu_fused, cpu_linear
 from shared.models.llama import LlamaArgs, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -82,4 +82,5 @@ def load_model(model_path: str | Path, dtype: str = "float32",
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.to(device, torch_dtype)
     model.set_fused_cpu_ops(cpu_fused.is_enabled())
+    model.set_packed_linear(cpu_linear.is_enabled())
     return model.eval()

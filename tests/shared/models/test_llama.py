@@ -53,7 +53,10 @@ def test_logits_match_transformers(model, model_path, tokenizer):
         hidden = model(x, torch.arange(len(ids)), [(None, None)] * 30, DenseCausalAttention())
         ours = model.compute_logits(hidden)
     assert ours.shape == ref.shape == (len(ids), 49152)
-    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    # NOTE: atol 5e-4 on logits of magnitude ~10-20: fp32 rounding of another GEMM
+    # (oneDNN's prepacked kernels, kernels/cpu_linear.py) over 30 layers; the greedy parity
+    # suite checks the tokens themselves.
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=5e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 

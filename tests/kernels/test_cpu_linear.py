@@ -1,0 +1,67 @@
+"""Prepacked oneDNN linear (kernels/cpu_linear.py) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.is_available(),
+                                reason="this torch build has no oneDNN linear ops")
+
+
+@pytest.mark.parametrize("m", [1, 3, 64, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(m, with_bias):
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(96, 40, generator=g)
+    bias = torch.randn(96, generator=g) if with_bias else None
+    x = torch.randn(m, 40, generator=g)
+    out = cpu_linear.linear(x, cpu_linear.pack_weight(weight), bias)
+    assert out.shape == (m, 96) and out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_a_decode_batch():
+    g = torch.Generator().manual_seed(0)
+    packed = cpu_linear.pack_weight(torch.randn(3072, 576, generator=g))
+    x = torch.randn(64, 576, generator=g)
+    batched = cpu_linear.linear(x, packed)
+    for row in (0, 17, 63):
+        alone = cpu_linear.linear(x[row:row + 1].clone(), packed)
+        assert torch.equal(alone[0], batched[row])
+
+
+def test_pack_weight_rejects_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="float32"):
+        cpu_linear.pack_weight(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D"):
+        cpu_linear.pack_weight(torch.randn(4))
+
+
+def test_model_switch_packs_every_linear_and_the_lm_head():
+    from shared.models.llama import Linear, LlamaArgs, LlamaForCausalLM
+
+    args = LlamaArgs(vocab_size=64, hidden_size=32, intermediate_size=48,
+                     num_hidden_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                     max_position_embeddings=64, tie_word_embeddings=True,
+                     attention_bias=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 8
+    hidden = torch.randn(5, 32)
+    model.set_packed_linear(False)
+    assert all(m.packed is None for m in linears) and model.lm_head_packed is None
+    plain = model.compute_logits(hidden)
+    model.set_packed_linear(True)
+    assert all(m.packed is not None for m in linears) and model.lm_head_packed is not None
+    torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(linears[0](x), F.linear(x, linears[0].weight), rtol=1e-5,
+                               atol=1e-5)
