@@ -27,6 +27,7 @@ from shared.request import FinishReason, Request
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+_YIELD_WAIT_S = 0.005
 
 
 class AsyncEngine:
@@ -118,6 +119,13 @@ class AsyncEngine:
                 self.engine.mark_idle()
                 self.last_step_time = time.monotonic()
                 self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            if self.engine.acquire_cores() == 0:
+                # Another engine of this host has a shorter prefill: let it have the cores.
+                # Waiting by choice is progress, not a stall (readiness watchdog).
+                self.last_step_time = time.monotonic()
+                self._wake.wait(_YIELD_WAIT_S)
                 self._wake.clear()
                 continue
             self.step_started = time.monotonic()

@@ -12,19 +12,30 @@ engines busy right now:
     decode only                       decode 2
 
 so the work there is gets all the cores and the host never runs more compute threads than
-cores. (Adaptive thread counts in the spirit of the OS-level core sharing of Arachne,
-Qin et al., OSDI 2018, and of SGLang/vLLM CPU backends binding one OpenMP pool per core set;
-here the unit of reallocation is one engine step.)
+cores. (Adaptive thread counts in the spirit of the OS-level core allocation of Arachne,
+Qin et al., OSDI 2018; here the unit of reallocation is one engine step.)
 
-The board is a file of `MAX_SLOTS` int64 slots (mmap, normally on /dev/shm). An engine
-claims a free slot by taking a POSIX record lock on its 8 bytes (`fcntl.lockf`), held for
-the life of the process, so a slot whose owner died is seen free (the kernel drops the
-lock) and a crashed engine never holds cores hostage. Slot values:
+Shortest prefill first, across the host. An engine also publishes the prompt tokens left of
+its next prefill (its `urgency`). An engine that could yield (it has no decodes running, so
+pausing it stalls no stream: in practice a prefill instance) waits, with 0 threads, while
+another busy engine has a strictly shorter prefill to do. On one host under a burst, the
+decode instance's short local prefills then run on every core before the prefill
+instance's long prompts, as one shortest-job-first queue would order them; the scheduler's
+aging bound (`max_wait_s`) still applies, since an overdue prompt publishes urgency 0.
+
+The board is a file of `MAX_SLOTS` slots of two int64 (mmap, normally on /dev/shm). An
+engine claims a free slot by taking a POSIX record lock on its 16 bytes (`fcntl.lockf`),
+held for the life of the process, so a slot whose owner died is seen free (the kernel drops
+the lock) and a crashed engine never holds cores hostage. A slot's mark:
 
     0          unused
-    t > 0      busy: the engine had work at monotonic time t (ns)
+    t > 0      busy: the engine had work at monotonic time t (ns); a mark older than
+               `STALE_S` (a stopped process) no longer counts
     -t < 0     idle since monotonic time t (ns); counted busy for `linger_ns` more,
                so an engine idle for a moment between two batches keeps its share
+
+and its urgency: prompt tokens left of its next prefill, NO_PREFILL when it has none, with
+bit 62 set when the engine may yield (see above).
 
 CLOCK_MONOTONIC is one clock for every process of a Linux host. Engines on different hosts
 never share a board (each host has its own /dev/shm), so nothing here assumes one machine.
@@ -42,8 +53,12 @@ import time
 from pathlib import Path
 
 MAX_SLOTS = 64
-_SLOT = struct.Struct("q")
+_SLOT = struct.Struct("qq")
 DEFAULT_LINGER_S = 0.02
+STALE_S = 30.0
+NO_PREFILL = (1 << 40)
+"""Urgency of an engine with no prefill to do."""
+_CAN_YIELD = 1 << 62
 
 
 def default_board_path() -> str:
@@ -81,41 +96,70 @@ class CoreShare:
         except BaseException:
             os.close(self._fd)
             raise
-        self._write(self.slot, -1)  # idle since long ago
+        self._write(self.slot, -1, NO_PREFILL)  # idle since long ago
         self.threads = num_cores
         """The thread count the last `update` returned."""
 
-    def update(self, busy: bool) -> int:
+    def update(self, busy: bool, urgency: int = NO_PREFILL, can_yield: bool = False) -> int:
         """Publish whether this engine has work now; return its thread count for the step.
 
-        An idle engine's count is the share it would get if it became busy now.
+        Args:
+            busy: the engine has work to step.
+            urgency: prompt tokens left of its next prefill (0: overdue); NO_PREFILL: none.
+            can_yield: pausing this engine stalls no stream (no decodes running).
+
+        Returns:
+            Threads for this step; 0 means: wait, another engine has a shorter prefill (only
+            when busy and can_yield). An idle engine gets the share it would have if busy.
         """
         now = time.monotonic_ns()
-        current = self._read(self.slot)
+        mark = self._read(self.slot)[0]
         if busy:
-            self._write(self.slot, now)
-        elif current > 0:
-            self._write(self.slot, -now)
-        busy_slots = [i for i in range(MAX_SLOTS)
-                      if i == self.slot or self._is_busy(i, now)]
-        n = len(busy_slots)
-        share, extra = divmod(self.num_cores, n)
+            mark = now
+        elif mark > 0:
+            mark = -now
+        self._write(self.slot, mark, urgency | (_CAN_YIELD if can_yield else 0))
+        others = [(i, u) for i in range(MAX_SLOTS) if i != self.slot
+                  for u in (self._busy_urgency(i, now),) if u is not None]
+        if busy and can_yield and urgency < NO_PREFILL:
+            shortest = min((u & ~_CAN_YIELD for _, u in others), default=NO_PREFILL)
+            if shortest < urgency:
+                self.threads = 0
+                return 0
+        # Engines that would yield to a shorter prefill hold no share either.
+        competing = [i for i, u in others if not self._yields(u, others, i, urgency, busy)]
+        busy_slots = sorted(competing + [self.slot])
+        share, extra = divmod(self.num_cores, len(busy_slots))
         rank = busy_slots.index(self.slot)
         self.threads = max(1, share + (1 if rank < extra else 0))
         return self.threads
+
+    @staticmethod
+    def _yields(u: int, others: list[tuple[int, int]], slot: int, my_urgency: int,
+                my_busy: bool) -> bool:
+        """Whether the engine in `slot` (urgency word `u`) waits for a shorter prefill."""
+        if not u & _CAN_YIELD:
+            return False
+        own = u & ~_CAN_YIELD
+        if own >= NO_PREFILL:
+            return False
+        shortest = min((v & ~_CAN_YIELD for i, v in others if i != slot), default=NO_PREFILL)
+        if my_busy:
+            shortest = min(shortest, my_urgency)
+        return shortest < own
 
     def busy_engines(self) -> int:
         """Engines on this board counted busy now, this one included if it is."""
         now = time.monotonic_ns()
         return sum(1 for i in range(MAX_SLOTS)
-                   if (i == self.slot and self._read(i) > 0) or
-                   (i != self.slot and self._is_busy(i, now)))
+                   if (i == self.slot and self._read(i)[0] > 0) or
+                   (i != self.slot and self._busy_urgency(i, now) is not None))
 
     def close(self) -> None:
         """Give the slot back (idempotent)."""
         if self._fd < 0:
             return
-        self._write(self.slot, 0)
+        self._write(self.slot, 0, NO_PREFILL)
         self._map.close()
         os.close(self._fd)  # drops the record lock
         self._fd = -1
@@ -132,25 +176,28 @@ class CoreShare:
             return i
         raise RuntimeError(f"core share board {self.path}: all {MAX_SLOTS} slots are taken")
 
-    def _is_busy(self, i: int, now: int) -> bool:
-        value = self._read(i)
-        if value == 0:
-            return False
-        if value < 0 and now + value > self.linger_ns:
-            return False
+    def _busy_urgency(self, i: int, now: int) -> int | None:
+        """Slot i's urgency word if its engine counts as busy now, else None."""
+        mark, urgency = self._read(i)
+        if mark == 0:
+            return None
+        if mark < 0 and now + mark > self.linger_ns:
+            return None
+        if mark > 0 and now - mark > STALE_S * 1e9:
+            return None
         # NOTE: a non-zero slot whose lock is free belongs to a dead engine: clear it.
         # (Record locks are per process, so this never probes our own slot.)
         try:
             fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, _SLOT.size, i * _SLOT.size,
                         os.SEEK_SET)
         except OSError:
-            return True  # held: a live engine
-        self._write(i, 0)
+            return urgency  # held: a live engine
+        self._write(i, 0, NO_PREFILL)
         fcntl.lockf(self._fd, fcntl.LOCK_UN, _SLOT.size, i * _SLOT.size, os.SEEK_SET)
-        return False
+        return None
 
-    def _read(self, i: int) -> int:
-        return _SLOT.unpack_from(self._map, i * _SLOT.size)[0]
+    def _read(self, i: int) -> tuple[int, int]:
+        return _SLOT.unpack_from(self._map, i * _SLOT.size)
 
-    def _write(self, i: int, value: int) -> None:
-        _SLOT.pack_into(self._map, i * _SLOT.size, value)
+    def _write(self, i: int, mark: int, urgency: int) -> None:
+        _SLOT.pack_into(self._map, i * _SLOT.size, mark, urgency)

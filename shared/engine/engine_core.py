@@ -113,13 +113,23 @@ class EngineCore:
         if self.core_share is not None:
             self.core_share.close()
 
+    def acquire_cores(self) -> int:
+        """Before a step: take this engine's share of the host's cores (core share only) and
+        size torch's thread pool to it. Returns the thread count; 0 means another engine of
+        the host has a shorter prefill to do and this one should wait (see core_share.py).
+
+        NOTE: call it on the thread that steps: OpenMP's thread count is per calling thread.
+        """
+        if self.core_share is None:
+            return torch.get_num_threads()
+        urgency, has_decodes = self.scheduler.prefill_urgency()
+        threads = self.core_share.update(busy=True, urgency=urgency, can_yield=not has_decodes)
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return threads
+
     def step(self) -> list:
         """One scheduling + forward + sampling step; returns the RequestOutputDeltas."""
-        if self.core_share is not None:
-            threads = self.core_share.update(busy=True)
-            # NOTE: per calling thread in OpenMP: this runs on the thread that steps.
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []

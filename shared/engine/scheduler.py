@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from shared.config import SchedulerConfig
+from shared.engine.core_share import NO_PREFILL
 from shared.engine.scheduler_output import (
     RequestOutputDelta,
     ScheduledRequest,
@@ -131,6 +132,29 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def prefill_urgency(self) -> tuple[int, bool]:
+        """(prompt tokens left of this engine's next prefill, whether decodes are running),
+        for the host's core share (`shared/engine/core_share.py`).
+
+        The next prefill is the shortest one left among waiting requests and running ones
+        still in their prompt; a preempted request, or one waiting past `max_wait_s`,
+        counts 0 (most urgent). NO_PREFILL when no prompt is left to compute.
+        """
+        deadline = time.monotonic() - self.scheduler_config.max_wait_s
+        best = NO_PREFILL
+        for r in self.waiting:
+            if r.status == RequestStatus.PREEMPTED or r.arrival_time <= deadline:
+                best = 0
+                break
+            best = min(best, r.num_tokens - r.num_computed_tokens)
+        has_decodes = False
+        for r in self.running:
+            if r.num_computed_tokens >= r.num_prompt_tokens:
+                has_decodes = True
+            else:
+                best = min(best, r.num_prompt_tokens - r.num_computed_tokens)
+        return best, has_decodes
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.stats

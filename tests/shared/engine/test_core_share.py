@@ -10,22 +10,25 @@ import time
 
 import pytest
 
-from shared.engine.core_share import CoreShare
+from shared.engine.core_share import NO_PREFILL, CoreShare
 
 _ctx = mp.get_context("fork")
 
 
-def _engine(path: str, num_cores: int, busy: bool, ready, stop) -> None:
+def _engine(path: str, num_cores: int, busy: bool, ready, stop, urgency=NO_PREFILL,
+            can_yield=False) -> None:
     share = CoreShare(path, num_cores, linger_s=0.0)
-    share.update(busy=busy)
+    share.update(busy=busy, urgency=urgency, can_yield=can_yield)
     ready.set()
     stop.wait(30)
     share.close()
 
 
-def _start(path: str, num_cores: int = 2, busy: bool = True):
+def _start(path: str, num_cores: int = 2, busy: bool = True, urgency=NO_PREFILL,
+           can_yield=False):
     ready, stop = _ctx.Event(), _ctx.Event()
-    proc = _ctx.Process(target=_engine, args=(path, num_cores, busy, ready, stop), daemon=True)
+    proc = _ctx.Process(target=_engine, args=(path, num_cores, busy, ready, stop, urgency,
+                                              can_yield), daemon=True)
     proc.start()
     assert ready.wait(30)
     return proc, stop
@@ -122,7 +125,7 @@ def test_linger_keeps_a_just_idle_engine_counted(board):
         lingering = CoreShare(board, 2, linger_s=60.0)
         # The other engine (slot 0) goes idle just now: a reader with a long linger still
         # counts it, one with none does not.
-        lingering._write(0, -time.monotonic_ns())
+        lingering._write(0, -time.monotonic_ns(), NO_PREFILL)
         assert lingering.update(busy=True) == 1
         lingering.linger_ns = 0
         assert lingering.update(busy=True) == 2
@@ -137,7 +140,7 @@ def test_rejects_zero_cores(board):
 
 
 def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
-    """EngineCore.step sizes torch's pool from the board (a fake model runner)."""
+    """EngineCore.acquire_cores sizes torch's pool from the board (a fake scheduler)."""
     import torch
 
     from shared.engine import engine_core
@@ -146,7 +149,7 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
         def __init__(self):
             self.calls = []
 
-        def update(self, busy):
+        def update(self, busy, urgency=NO_PREFILL, can_yield=False):
             self.calls.append(busy)
             return 1
 
@@ -159,12 +162,71 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
                 scheduled = []
             return _Out()
 
+        def prefill_urgency(self):
+            return 7, False
+
     core.scheduler = _Scheduler()
     before = torch.get_num_threads()
     try:
+        assert core.acquire_cores() == 1
         assert core.step() == []
         assert torch.get_num_threads() == 1
         core.mark_idle()
         assert core.core_share.calls == [True, False]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_prefill_engine_yields_to_a_shorter_prefill_elsewhere(board):
+    """Shortest prefill first across the host: a pure-prefill engine (can_yield) whose next
+    prompt is longer than a busy engine's waits with 0 threads; the other gets every core."""
+    decode, stop = _start(board, busy=True, urgency=40, can_yield=False)
+    share = CoreShare(board, 2, linger_s=0.0)
+    try:
+        assert share.update(busy=True, urgency=300, can_yield=True) == 0
+        # Not shorter: ties and longer prefills elsewhere do not make it wait.
+        assert share.update(busy=True, urgency=40, can_yield=True) == 1
+        assert share.update(busy=True, urgency=10, can_yield=True) == 1
+        # An engine with decodes running never waits (it would stall its streams).
+        assert share.update(busy=True, urgency=300, can_yield=False) == 1
+    finally:
+        _stop(decode, stop)
+    assert share.update(busy=True, urgency=300, can_yield=True) == 2
+    share.close()
+
+
+def test_the_shorter_engine_takes_the_yielding_engines_cores(board):
+    prefill, stop = _start(board, busy=True, urgency=300, can_yield=True)
+    share = CoreShare(board, 2, linger_s=0.0)
+    try:
+        assert share.update(busy=True, urgency=40, can_yield=False) == 2
+        # Only decodes left here (no prefill): the prefill engine no longer yields.
+        assert share.update(busy=True, urgency=NO_PREFILL, can_yield=False) == 1
+    finally:
+        _stop(prefill, stop)
+        share.close()
+
+
+def test_scheduler_prefill_urgency():
+    import time as _time
+
+    from shared.config import SchedulerConfig
+    from shared.engine.scheduler import Scheduler
+    from shared.kv_cache.kv_cache_manager import KVCacheManager
+    from shared.request import Request
+    from shared.sampling_params import SamplingParams
+
+    kv = KVCacheManager(64, 16, enable_caching=False, model_name="m")
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_wait_s=5.0), kv)
+    assert scheduler.prefill_urgency() == (NO_PREFILL, False)
+    scheduler.add_request(Request("a", list(range(1, 31)), SamplingParams(max_tokens=4)))
+    scheduler.add_request(Request("b", list(range(1, 101)), SamplingParams(max_tokens=4)))
+    assert scheduler.prefill_urgency() == (30, False)
+    out = scheduler.schedule()  # a whole (30), b's first 10 tokens
+    scheduler.update_from_output(out, {s.request.request_id: (5, None)
+                                       for s in out.scheduled if s.sample})
+    assert scheduler.prefill_urgency() == (90, True)  # a decodes, b has 90 prompt tokens left
+    late = Request("late", list(range(1, 201)), SamplingParams(max_tokens=4))
+    late.arrival_time = _time.monotonic() - 6.0
+    scheduler.add_request(late)
+    assert scheduler.prefill_urgency() == (0, True)  # overdue: most urgent
