@@ -240,4 +240,10 @@ def test_fuzz_left_the_gateway_serving_and_empty(fuzz_url, http):
     queue = fuzz_url.app.state.gateway.completion.admission
     assert (queue.num_waiting, queue.num_running, queue.queued_tokens) == (0, 0, 0)
     cluster = fuzz_url.cluster
+    # NOTE: the fake engines drop a finished stream from `active` when its server-side
+    # handler returns, which may come a moment after the client has the whole response.
+    deadline = time.monotonic() + 5.0
+    while (cluster.decodes[0].rec.active or cluster.prefills[0].rec.active) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not cluster.decodes[0].rec.active and not cluster.prefills[0].rec.active
