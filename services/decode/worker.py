@@ -107,6 +107,9 @@ class DecodeWorker(EngineWorker):
         self._tickets: dict[str, _Ticket] = {}
         self._admission: deque[_Ticket] = deque()
         self._admission_event = asyncio.Event()
+        self._blocks_in_flight: dict[bytes, asyncio.Future] = {}
+        """block_hash -> done when the transfer that fetches that block here has committed
+        (or failed): a request with the same prefix waits for it and reuses the blocks."""
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      output_token_ids: list[int], params: SamplingParams,
@@ -237,22 +240,50 @@ class DecodeWorker(EngineWorker):
     async def _admit_transferred(self, ticket: _Ticket, handle: KVHandle) -> int:
         """Reserve blocks, fetch the missing ones, commit. Returns the prefix-hit tokens."""
         request = ticket.request
+        await self._wait_for_shared_blocks(handle)
         num_hit_tokens, block_ids = await self._reserve(ticket, handle.num_tokens)
         first_missing = num_hit_tokens // self.block_size
         missing = list(range(first_missing, len(handle.block_ids)))
+        done = asyncio.get_running_loop().create_future()
+        mine = [h for h in handle.block_hashes[first_missing:]
+                if h not in self._blocks_in_flight]
+        for block_hash in mine:
+            self._blocks_in_flight[block_hash] = done
         try:
-            if missing:
-                await self.fetcher.fetch(request.request_id, handle, missing,
-                                         [block_ids[i] for i in missing])
+            try:
+                if missing:
+                    await self.fetcher.fetch(request.request_id, handle, missing,
+                                             [block_ids[i] for i in missing])
+            finally:
+                # Our blocks hold the KV now (or the transfer failed): the prefill's pin has
+                # served its purpose, whatever the decode does next.
+                self._release(ticket)
+            num_computed = max(handle.num_tokens, num_hit_tokens)
+            await self.engine.call(lambda e: commit_op(e, request, num_computed))
         finally:
-            # Our blocks hold the KV now (or the transfer failed): the prefill's pin has
-            # served its purpose, whatever the decode does next.
-            self._release(ticket)
-        num_computed = max(handle.num_tokens, num_hit_tokens)
-        await self.engine.call(lambda e: commit_op(e, request, num_computed))
+            for block_hash in mine:
+                if self._blocks_in_flight.get(block_hash) is done:
+                    del self._blocks_in_flight[block_hash]
+            done.set_result(None)
         logger.debug("[%s] KV in place: %d blocks reused, %d fetched from %s",
                      request.request_id, first_missing, len(missing), handle.prefill_address)
         return num_hit_tokens
+
+    async def _wait_for_shared_blocks(self, handle: KVHandle) -> None:
+        """Wait until no transfer in flight here is fetching a prefix block of `handle`.
+
+        Requests sharing a prefix arrive together (a burst on one system prompt): without
+        this, each would fetch the whole shared prefix, since fetched blocks join the prefix
+        cache only when their transfer commits. Waiting lets the first transfer commit and
+        the others hit its blocks. Bounded by the fetch timeout of the transfer waited for;
+        if that transfer fails, this one fetches the blocks itself.
+        """
+        while True:
+            pending = {self._blocks_in_flight[h] for h in handle.block_hashes
+                       if h in self._blocks_in_flight}
+            if not pending:
+                return
+            await asyncio.wait(pending)
 
     def _release(self, ticket: _Ticket) -> None:
         """ReleaseKV for the ticket's handle, as a tracked background task (`close` awaits

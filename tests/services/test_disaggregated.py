@@ -109,3 +109,39 @@ async def test_logprobs_cross_the_split(cluster):
     later = [lp for c in result.chunks for lp in c.logprobs]
     assert [lp.token_id for lp in later] == result.token_ids[1:]
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in later)
+
+
+async def test_concurrent_transfers_of_one_prefix_fetch_it_once(cluster):
+    """A burst on one shared prefix (as a system prompt gets): the prefill has cached it,
+    and the decodes arrive together; the decode instance fetches the prefix blocks once,
+    the other requests wait for that transfer and reuse them."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(100, 40000) for _ in range(400)]
+    prompts = [prefix + [rng.randrange(100, 40000) for _ in range(20 + 7 * i)]
+               for i in range(4)]
+    params = greedy(3)
+    prefills = []
+    for i, prompt in enumerate(prompts):
+        prefills.append(await cluster.prefill_stub.Prefill(
+            pb.PrefillRequest(request_id=f"burst-{i}", prompt_token_ids=prompt,
+                              sampling_params=params),
+            timeout=RPC_TIMEOUT, metadata=(("x-request-id", f"burst-{i}"),)))
+    decode_metrics = cluster.decode.worker.metrics
+    received = decode_metrics.value("kv_transfer_blocks_received_total")
+
+    async def decode(i: int) -> list[int]:
+        req = pb.DecodeRequest(request_id=f"burst-{i}", prompt_token_ids=prompts[i],
+                               output_token_ids=[prefills[i].first_token_id],
+                               sampling_params=params,
+                               kv_transfer_params=prefills[i].kv_transfer_params)
+        return [t async for c in cluster.decode_stub.Generate(
+            req, timeout=RPC_TIMEOUT, metadata=(("x-request-id", f"burst-{i}"),))
+            for t in c.token_ids]
+
+    outputs = await asyncio.gather(*(decode(i) for i in range(4)))
+    assert all(len(tokens) == 2 for tokens in outputs)
+    # 25 prefix blocks once, plus each request's own (partial) tail blocks.
+    tails = sum(-(-len(p) // 16) - 25 for p in prompts)
+    assert decode_metrics.value("kv_transfer_blocks_received_total") - received \
+        == 25 + tails
+    await wait_leak_free(cluster)
