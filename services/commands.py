@@ -55,8 +55,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         config = config_from_args(ns, role)
         engine_args = EngineArgs.from_cli_args(ns)
         # Bind before any thread starts (gRPC's, the engine's): threads inherit the mask.
+        # The event loop's own torch work (KV chunk copies) runs on one thread: only the
+        # engine thread owns a multi-threaded OpenMP pool (see apply_cpu_placement).
         apply_cpu_placement(ParallelConfig(cpu_cores=parse_cores(engine_args.cpu_cores),
-                                           num_threads=engine_args.num_threads))
+                                           num_threads=engine_args.num_threads), threads=1)
     except ValueError as e:
         print(f"error: {e}")
         return 2

@@ -23,8 +23,10 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
 
         with _LOAD_LOCK:
             configs = engine_args.create_engine_configs()
+            # NOTE: one thread while loading: only the engine thread may own a multi-
+            # threaded OpenMP pool (see apply_cpu_placement).
             core = EngineCore(*configs, hold_finished_blocks=role == "prefill",
-                              enable_kv_cache_events=True)
+                              enable_kv_cache_events=True, load_threads=1)
             return core, get_tokenizer(configs[0].model_path).eos_token_id
     return load
 

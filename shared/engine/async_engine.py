@@ -111,6 +111,7 @@ class AsyncEngine:
     # -- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        self.engine.bind_stepping_thread()
         while not self._stopped:
             if self.stall_hook is not None:
                 self.stall_hook()

@@ -26,14 +26,26 @@ from shared.request import Request
 logger = logging.getLogger(__name__)
 
 
-def apply_cpu_placement(parallel_config: ParallelConfig) -> None:
-    """Bind this process to its cores and size torch's thread pool to match."""
+def apply_cpu_placement(parallel_config: ParallelConfig, threads: int | None = None) -> int:
+    """Bind this process to its cores and size the calling thread's torch pool: to
+    `threads` when given, else to the configured count. Returns the configured count
+    (`num_threads`, else the number of bound cores, else of the cores this process may use).
+
+    NOTE: OpenMP keeps one worker pool per thread that starts parallel regions, and once a
+    process has more pool threads than cores (GOMP's `gomp_managed_threads`) every worker
+    stops spinning between regions and sleeps, so each of a step's few hundred regions
+    pays a futex wake-up: a batch-1 decode step measured 49 ms instead of 34 here. So in a
+    service only the engine thread runs multi-threaded regions (`bind_stepping_thread`);
+    the event loop and the loader run with `threads=1`.
+    """
     cores = parallel_config.cpu_cores
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, set(cores))
-    threads = parallel_config.num_threads or len(cores)
-    if threads:
-        torch.set_num_threads(threads)
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    configured = parallel_config.num_threads or len(cores) or available or \
+        torch.get_num_threads()
+    torch.set_num_threads(threads or configured)
+    return configured
 
 
 def open_core_share(parallel_config: ParallelConfig) -> CoreShare | None:
@@ -54,8 +66,9 @@ class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
                  hold_finished_blocks: bool = False,
-                 enable_kv_cache_events: bool = False) -> None:
-        apply_cpu_placement(parallel_config)
+                 enable_kv_cache_events: bool = False, load_threads: int | None = None) -> None:
+        self.num_threads = apply_cpu_placement(parallel_config, load_threads)
+        """Threads of the stepping thread's pool (without a core share)."""
         self.core_share = open_core_share(parallel_config)
         """This engine's slot on the host's core board; None: a fixed thread count."""
         self.model_config = model_config
@@ -112,6 +125,11 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.core_share is not None:
             self.core_share.close()
+
+    def bind_stepping_thread(self) -> None:
+        """Size the calling thread's torch pool for steps (AsyncEngine's thread calls it
+        first: OpenMP's thread count is per calling thread)."""
+        torch.set_num_threads(self.num_threads)
 
     def acquire_cores(self) -> int:
         """Before a step: take this engine's share of the host's cores (core share only) and
