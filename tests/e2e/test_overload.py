@@ -232,6 +232,12 @@ async def test_overload_429_with_retry_after_and_responsive_health(gateway_url, 
                 await asyncio.sleep(0.1)
             first_refused = [t.result() for t in state["first_pending"] if t.done()]
             assert len(first_refused) == CLIENTS - QUEUE
+            # The admitted attempts reach the gated prefill a moment after the refusals are
+            # answered (under load, after them): wait, bounded, for them to arrive.
+            for _ in range(100):
+                if engines.prefills[0].arrived >= 1 + QUEUE:
+                    break
+                await asyncio.sleep(0.05)
             assert engines.prefills[0].arrived == 1 + QUEUE  # + the reference request
             assert _gauge((await http.get("/metrics")).text, "waiting") == QUEUE
             engines.prefills[0].gate.set()
