@@ -15,8 +15,6 @@ import ctypes
 import functools
 import logging
 import os
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +22,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_build import build_library
+from kernels.cpu_build import find_compiler as _find_compiler  # tests patch this name
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,6 @@ def is_enabled() -> bool:
     return os.environ.get("PDSERVE_FUSED_CPU", "1") != "0"
 
 
-def _find_compiler() -> str | None:
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    return None
-
-
 def _build_defines() -> list[str]:
     # NOTE: the sums and exp match ATen's only at ATen's vector width for that kernel: on an
     # AVX-512 CPU, silu runs ATen's AVX-512 build (ALSO_REGISTER_AVX512_DISPATCH), sum its AVX2
@@ -77,24 +71,6 @@ def _build_defines() -> list[str]:
     return defines
 
 
-def _compile(compiler: str, build_dir: Path) -> Path | None:
-    library, obj = build_dir / "fused_cpu.so", build_dir / "fused_cpu.o"
-    for compile_flags, link_flags in FLAG_SETS:
-        result = None
-        for command in (
-                [compiler, "-c", "-fPIC", *_build_defines(), *compile_flags, str(SOURCE), "-o",
-                 str(obj)],
-                [compiler, "-shared", str(obj), "-o", str(library), *link_flags]):
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                break
-        if result is not None and result.returncode == 0:
-            return library
-        logger.debug("compile failed (%s): %s", " ".join(compile_flags),
-                     result.stderr[-2000:] if result else "")
-    return None
-
-
 @functools.cache
 def load_fused_kernels() -> FusedKernels | None:
     """Compiles and loads `csrc/fused_cpu.c`; None when it cannot be built here."""
@@ -103,7 +79,8 @@ def load_fused_kernels() -> FusedKernels | None:
         logger.info("no C compiler found; fused CPU ops run as torch ops")
         return None
     with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
-        library = _compile(compiler, Path(build_dir))
+        library = build_library(compiler, SOURCE, _build_defines(), FLAG_SETS,
+                                Path(build_dir))
         if library is None:
             logger.warning("could not compile %s; fused CPU ops run as torch ops", SOURCE)
             return None

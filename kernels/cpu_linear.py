@@ -44,11 +44,7 @@ def is_available() -> bool:
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
-    return bool(torch.allclose(out, F_linear(x, w), rtol=1e-5, atol=1e-6))
-
-
-def F_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # noqa: N802
-    return torch.nn.functional.linear(x, weight)
+    return bool(torch.allclose(out, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-6))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -14,15 +14,15 @@ first, so the kernel's OpenMP threads are torch's intra-op threads (no oversubsc
 import ctypes
 import functools
 import logging
-import os
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from kernels.cpu_build import build_library
+from kernels.cpu_build import find_compiler as _find_compiler  # tests patch this name
 
 logger = logging.getLogger(__name__)
 
@@ -52,13 +52,6 @@ class NativeKernel(NamedTuple):
     group_size: int
 
 
-def _find_compiler() -> str | None:
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    return None
-
-
 @functools.cache
 def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> NativeKernel | None:
     """Compiles and loads the kernel for these shapes; None when it cannot be built here."""
@@ -69,22 +62,8 @@ def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> Nat
     defines = (f"-DHEAD_DIM={head_dim}", f"-DNUM_KV_HEADS={num_kv_heads}",
                f"-DGROUP_SIZE={group_size}")
     with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
-        library = Path(build_dir) / "paged_attention_cpu.so"
-        obj = Path(build_dir) / "paged_attention_cpu.o"
-        for compile_flags, link_flags in FLAG_SETS:
-            result = None
-            for command in (
-                    [compiler, "-c", "-fPIC", *defines, *compile_flags, str(SOURCE), "-o",
-                     str(obj)],
-                    [compiler, "-shared", str(obj), "-o", str(library), *link_flags]):
-                result = subprocess.run(command, capture_output=True, text=True, check=False)
-                if result.returncode != 0:
-                    break
-            if result is not None and result.returncode == 0:
-                break
-            logger.debug("compile failed (%s): %s", " ".join(compile_flags),
-                         result.stderr[-2000:] if result else "")
-        else:
+        library = build_library(compiler, SOURCE, defines, FLAG_SETS, Path(build_dir))
+        if library is None:
             logger.warning("could not compile %s; CPU attention uses torch ops only", SOURCE)
             return None
         # NOTE: dlopen maps the file, so the build directory can be removed right after.

@@ -241,15 +241,17 @@ class DecodeWorker(EngineWorker):
         """Reserve blocks, fetch the missing ones, commit. Returns the prefix-hit tokens."""
         request = ticket.request
         await self._wait_for_shared_blocks(handle)
-        num_hit_tokens, block_ids = await self._reserve(ticket, handle.num_tokens)
-        first_missing = num_hit_tokens // self.block_size
-        missing = list(range(first_missing, len(handle.block_ids)))
+        # NOTE: claimed with no await since the wait above, so two requests on one prefix
+        # can never both find it unclaimed (some claimed blocks may turn out to be cached
+        # here already; a request waiting on them then just waits for our commit).
         done = asyncio.get_running_loop().create_future()
-        mine = [h for h in handle.block_hashes[first_missing:]
-                if h not in self._blocks_in_flight]
+        mine = [h for h in handle.block_hashes if h not in self._blocks_in_flight]
         for block_hash in mine:
             self._blocks_in_flight[block_hash] = done
         try:
+            num_hit_tokens, block_ids = await self._reserve(ticket, handle.num_tokens)
+            first_missing = num_hit_tokens // self.block_size
+            missing = list(range(first_missing, len(handle.block_ids)))
             try:
                 if missing:
                     await self.fetcher.fetch(request.request_id, handle, missing,

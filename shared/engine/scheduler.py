@@ -211,7 +211,10 @@ class Scheduler:
             i += 1
 
         admitted: list[Request] = []
-        for request in self._admission_order():
+        # NOTE: no ordering work on the (common) steps that cannot admit anyone.
+        can_admit = (not preempted_ids and token_budget > 0
+                     and len(self.running) < config.max_num_seqs)
+        for request in (self._admission_order() if can_admit else ()):
             if preempted_ids or token_budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
             hits, num_hit_tokens = [], 0
