@@ -53,6 +53,9 @@ class SamplingParams:
     the prefix cache (every prompt position needs its logits)."""
     skip_special_tokens: bool = True
     """Detokenization: drop special tokens from the returned text."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI logit_bias: token id -> value added to its logit before sampling (greedy
+    too; logprobs stay those of the raw logits, as vLLM's)."""
 
     def __post_init__(self) -> None:
         self._verify()
@@ -84,6 +87,12 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict, got {self.logit_bias!r}")
+            for token_id, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token_id, lo=0)
+                _check_float("logit_bias", bias)
 
     @property
     def is_greedy(self) -> bool:

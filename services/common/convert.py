@@ -30,7 +30,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         max_tokens=p.max_tokens if p.max_tokens != 0 else None,
         min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        logit_bias=dict(p.logit_bias) or None)
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:

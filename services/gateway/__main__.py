@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import sys
@@ -38,12 +39,40 @@ def run(ns: argparse.Namespace) -> int:
     app = build_app(config)
     loop = "uvloop" if sys.platform != "win32" else "asyncio"
     # NOTE: on SIGTERM uvicorn stops accepting and lets in-flight requests (streams included)
-    # finish for up to the grace period; the launcher gives it its --shutdown-timeout - 5 s.
-    uvicorn.run(app, host=config.host, port=config.port, loop=loop,
-                log_level=str(config.log_level).lower(),
-                timeout_graceful_shutdown=max(1, round(config.grace_period)),
-                access_log=False)  # our access lines carry the request id
+    # finish for up to the grace period (the launcher gives it its --shutdown-timeout - 5 s);
+    # then the app itself ends those still running (services/gateway/shutdown.py), so
+    # uvicorn's own timeout, a little later, finds nothing left to cancel.
+    server = _make_server(uvicorn.Config(
+        app, host=config.host, port=config.port, loop=loop,
+        log_level=str(config.log_level).lower(),
+        timeout_graceful_shutdown=config.grace_period + _CANCEL_MARGIN,
+        access_log=False), app.state.gateway.shutdown, config.grace_period)
+    server.run()
     return 0
+
+
+_CANCEL_MARGIN = 3.0
+"""Seconds between the app's cut of the remaining streams and uvicorn's task cancellation."""
+
+
+def _make_server(config, notice, grace: float):
+    """A uvicorn.Server that starts the app's grace period on the first exit signal and
+    exits 0 after an orderly shutdown (plain uvicorn re-raises the signal: exit -15)."""
+    import uvicorn
+
+    class GatewayServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # an orderly stop: no re-raise
+            if first:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # not started yet: uvicorn just exits
+                    return
+                loop.call_soon_threadsafe(notice.begin, grace)
+
+    return GatewayServer(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
 """build_app: the gateway's Starlette application (torch-free to import).
 
+    CORSMiddleware (preflights answered here, no key needed)
     GatewayMiddleware (request id, API key, metrics)
       └─ routes ─▶ CompletionServing / ChatServing / TokenizationServing
                      └─ ServingEngine (placement + EngineBackend gRPC channels)
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 
 from services.gateway.admission import AdmissionQueue
 from services.gateway.backend import EngineBackend
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
+from services.gateway.federation import MetricsFederation
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import GatewayMiddleware
 from services.gateway.placement import InstanceRegistry, Placer
@@ -26,6 +29,7 @@ from services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
 from services.gateway.serving import ServingEngine
 from services.gateway.serving_chat import ChatServing
 from services.gateway.serving_completion import CompletionServing
+from services.gateway.shutdown import ShutdownNotice
 from services.gateway.serving_tokenization import TokenizationServing
 from services.gateway.tokenization import GatewayTokenizer, load_tokenizer
 
@@ -45,6 +49,8 @@ class Gateway:
     chat: ChatServing
     tokenization: TokenizationServing
     created: int
+    federation: MetricsFederation
+    shutdown: ShutdownNotice
 
 
 def _connect_registry(config: GatewayConfig):
@@ -61,7 +67,8 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
               registry: InstanceRegistry | None = None) -> Starlette:
     """The gateway app. `backend` and `registry` are injectable (tests, other transports);
     by default gRPC channels to the configured instances and the Redis prefix index."""
-    tokenizer = GatewayTokenizer(load_tokenizer(config.model_path))
+    tokenizer = GatewayTokenizer(load_tokenizer(config.tokenizer or config.model_path),
+                                 chat_template=config.chat_template)
     backend = backend or EngineBackend(config.request_timeout, config.rpc_timeout,
                                        config.internal_token)
     owned_registry = _connect_registry(config) if registry is None else None
@@ -73,10 +80,14 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
     metrics.registry.register(engine.failover_stats)
     admission = AdmissionQueue(config.max_num_queued_requests, config.max_queued_tokens,
                                metrics.registry)
-    chat = ChatServing(config, engine, tokenizer, metrics, admission)
+    shutdown = ShutdownNotice()
+    chat = ChatServing(config, engine, tokenizer, metrics, admission, shutdown)
+    federation = MetricsFederation(metrics.registry, registry, config.metrics_compat,
+                                   config.served_model_name)
     gateway = Gateway(config, tokenizer, backend, engine, metrics,
-                      CompletionServing(config, engine, tokenizer, metrics, admission), chat,
-                      TokenizationServing(chat), int(time.time()))
+                      CompletionServing(config, engine, tokenizer, metrics, admission,
+                                        shutdown),
+                      chat, TokenizationServing(chat), int(time.time()), federation, shutdown)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
@@ -88,15 +99,23 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
         except GatewayError as e:
             logger.warning("no engine instance answered yet (%s); will retry per request", e)
         yield
+        await federation.close()
         await engine.close()
         await backend.close()
         tokenizer.close()
         if owned_registry is not None:
             await owned_registry.close()
 
+    # NOTE: CORS is outermost: it answers preflights (OPTIONS) itself, so they never need
+    # a key (browsers send no Authorization header on a preflight).
+    cors = Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                      allow_methods=list(config.allowed_methods),
+                      allow_headers=list(config.allowed_headers),
+                      allow_credentials=config.allow_credentials)
     app = Starlette(routes=ROUTES, exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan,
-                    middleware=[Middleware(GatewayMiddleware, api_key=config.api_key,
-                                           metrics=metrics,
-                                           routes=frozenset(r.path for r in ROUTES))])
+                    middleware=[cors, Middleware(GatewayMiddleware, api_key=config.api_key,
+                                                 metrics=metrics,
+                                                 routes=frozenset(r.path for r in ROUTES),
+                                                 protect_metrics=config.protect_metrics)])
     app.state.gateway = gateway
     return app

@@ -6,6 +6,7 @@ Precedence: command-line flag > PDSERVE_<FLAG> environment variable > default.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
@@ -71,6 +72,23 @@ class GatewayConfig:
     """Seconds in-flight requests get to finish on SIGTERM / Ctrl-C before they are cut."""
     internal_token: str | None = None
     """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
+    # ---- vLLM OpenAI-server compatibility (README "Gateway flags")
+    tokenizer: str | None = None
+    """Local directory of the tokenizer (and chat template); None: `model_path`'s."""
+    chat_template: str | None = None
+    """A Jinja chat template (the text, read from --chat-template's file); None: the
+    tokenizer's own."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """CORS, as vLLM's flags of the same names."""
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    protect_metrics: bool = False
+    """With API keys: /metrics needs one too (default: open, as in vLLM, for Prometheus)."""
+    metrics_compat: str | None = None
+    """"vllm": /metrics also carries vLLM's `vllm:` names (services/gateway/metrics_compat.py)."""
+    federate_metrics: bool = True
+    """/metrics also carries every registered engine's metrics, labelled instance and role."""
 
     def __post_init__(self) -> None:
         """Raises: ValueError naming the flag of the first value out of range."""
@@ -165,7 +183,74 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on shutdown")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret the prefill and decode services require")
+    add_compat_args(parser)
     return parser
+
+
+def _json_list(text: str | list[str]) -> list[str]:
+    """vLLM's CORS flags take a JSON list ('["*"]'); a bare comma list works too."""
+    if isinstance(text, list):
+        return text
+    text = text.strip()
+    if text.startswith("["):
+        value = json.loads(text)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text}")
+        return value
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_compat_args(parser: argparse.ArgumentParser) -> None:
+    """The flags vLLM's OpenAI server has, with its spellings (also `pdserve up`'s)."""
+    g = parser.add_argument_group("OpenAI server (vLLM spellings)")
+    g.add_argument("--tokenizer", default=_env("tokenizer", None),
+                   help="local tokenizer directory (default: the model's)")
+    g.add_argument("--chat-template", default=_env("chat_template", None),
+                   help="a Jinja chat template: a file path or the template itself")
+    g.add_argument("--allowed-origins", type=_json_list,
+                   default=_json_list(_env("allowed_origins", '["*"]')),
+                   help='CORS allowed origins, a JSON list (default ["*"])')
+    g.add_argument("--allowed-methods", type=_json_list,
+                   default=_json_list(_env("allowed_methods", '["*"]')),
+                   help='CORS allowed methods, a JSON list (default ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list,
+                   default=_json_list(_env("allowed_headers", '["*"]')),
+                   help='CORS allowed headers, a JSON list (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true",
+                   default=_env("allow_credentials", "") not in ("", "0", "false"),
+                   help="CORS: allow credentials")
+    g.add_argument("--protect-metrics", action="store_true",
+                   default=_env("protect_metrics", "") not in ("", "0", "false"),
+                   help="with --api-key, /metrics needs a key too (default: open)")
+    g.add_argument("--metrics-compat", choices=["vllm"], default=_env("metrics_compat", None),
+                   help="vllm: /metrics also carries vLLM's `vllm:` metric names")
+
+
+def _tokenizer_dir(value: str | None) -> str | None:
+    """--tokenizer: a local directory holding tokenizer.json, or a model name / .gguf."""
+    if not value:
+        return None
+    if os.path.isfile(os.path.join(value, "tokenizer.json")):
+        return value
+    from shared.models.convert import resolve_model_path
+
+    return str(resolve_model_path(value, convert=False))
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself when it is a template (as vLLM).
+
+    Raises:
+        FileNotFoundError: a path-like value (no Jinja braces) that names no file.
+    """
+    if not value:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise FileNotFoundError(f"--chat-template: no such file: {value}")
+    return value
 
 
 def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
@@ -197,4 +282,9 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         max_num_queued_requests=ns.max_num_queued_requests,
         max_queued_tokens=ns.max_queued_tokens, max_logprobs=ns.max_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_length=ns.max_stop_string_length,
-        internal_token=ns.internal_token or None, grace_period=ns.grace_period)
+        internal_token=ns.internal_token or None, grace_period=ns.grace_period,
+        tokenizer=_tokenizer_dir(ns.tokenizer),
+        chat_template=read_chat_template(ns.chat_template),
+        allowed_origins=tuple(ns.allowed_origins), allowed_methods=tuple(ns.allowed_methods),
+        allowed_headers=tuple(ns.allowed_headers), allow_credentials=ns.allow_credentials,
+        protect_metrics=ns.protect_metrics, metrics_compat=ns.metrics_compat)

@@ -30,14 +30,20 @@ logger = logging.getLogger("services.gateway.access")
 # Client ids travel as gRPC metadata and in log lines: keep them short and printable.
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-PUBLIC_ROUTES = frozenset({"/health"})
+PUBLIC_ROUTES = frozenset({"/health", "/ping", "/version", "/docs", "/openapi.json",
+                           "/metrics"})
+"""Open with API keys too (as vLLM, whose keys guard /v1 only); /metrics unless
+--protect-metrics."""
 
 
 class GatewayMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | Sequence[str] | None,
-                 metrics: GatewayMetrics, routes: frozenset[str]) -> None:
-        """`api_key`: the accepted keys (one, several, or comma-separated; None: open)."""
+                 metrics: GatewayMetrics, routes: frozenset[str],
+                 protect_metrics: bool = False) -> None:
+        """`api_key`: the accepted keys (one, several, or comma-separated; None: open).
+        `protect_metrics`: /metrics needs a key too."""
         self.app = app
+        self.public = PUBLIC_ROUTES - {"/metrics"} if protect_metrics else PUBLIC_ROUTES
         # (key bytes, the tenant's cache salt) per accepted key; the key itself goes nowhere.
         self._tenants = [(k.encode(), tenant_cache_salt(k))
                          for k in split_api_keys(api_key)]
@@ -73,7 +79,8 @@ class GatewayMiddleware:
         state.update(request_id=request_id, engine_request_prefix=engine_prefix,
                      arrival_time=time.monotonic(), tenant_cache_salt=None)
         path = scope["path"]
-        route = path if path in self.routes else "other"
+        route = path if path in self.routes else (
+            "/v1/models/{model}" if path.startswith("/v1/models/") else "other")
         status = 500
 
         async def send_with_id(message: Message) -> None:
@@ -87,7 +94,7 @@ class GatewayMiddleware:
         try:
             if self._tenants:
                 state["tenant_cache_salt"] = self._tenant_salt(headers)
-            if self._tenants and path not in PUBLIC_ROUTES and not state["tenant_cache_salt"]:
+            if self._tenants and path not in self.public and not state["tenant_cache_salt"]:
                 err = GatewayError("Invalid or missing API key.", 401)
                 await error_response(err, {"WWW-Authenticate": "Bearer"})(
                     scope, receive, send_with_id)
@@ -95,8 +102,10 @@ class GatewayMiddleware:
                 await self.app(scope, receive, send_with_id)
         finally:
             elapsed = time.monotonic() - state["arrival_time"]
-            logger.info("[%s] %s %s %d %.3fs", request_id, scope["method"], path, status,
-                        elapsed)
+            # A stream ended by the shutdown's grace period: 200 was sent, the rest was not.
+            cut = " cut (server_shutdown)" if state.get("cut_by_shutdown") else ""
+            logger.info("[%s] %s %s %d %.3fs%s", request_id, scope["method"], path, status,
+                        elapsed, cut)
             self.metrics.requests_running.dec()
             self.metrics.requests.labels(route, str(status)).inc()
             if route in GENERATION_ROUTES and status == 200:

@@ -1,7 +1,7 @@
 """OpenAI request models (strict JSON types), parsed from raw bytes into GatewayError on failure.
 
 As in vLLM, fields the models do not name are accepted and ignored; fields the OpenAI API
-defines but pdserve cannot honour (`suffix`, `logit_bias`, tools, images, ...) are refused
+defines but pdserve cannot honour (`suffix`, tools, images, ...) are refused
 with a 400 naming the field. Types are strict (`"stream": "yes"` and `"max_tokens": "ten"`
 are errors) and floats finite (`NaN`, `Infinity`, `1e999` are errors), so a malformed body is
 a 400, never a surprise later. The models are also the request schemas of /openapi.json.
@@ -86,20 +86,51 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
 
 
-class TextContentPart(OpenAIBaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(OpenAIBaseModel):
+    """One part of a message's content. Only "text" is supported (check_content_parts);
+    the other OpenAI types parse, so their refusal can name what is missing."""
+
+    type: str
+    text: str | None = None
+
+
+_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
+                "image_pil": "image", "image_embeds": "image", "input_audio": "audio",
+                "audio_url": "audio", "video_url": "video", "file": "file"}
 
 
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
+    content: str | list[ContentPart]
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text or "" for part in self.content)
+
+
+def check_content_parts(messages: list[ChatMessage]) -> None:
+    """Refuse content parts other than text (400): this is a text-only model.
+
+    Raises:
+        GatewayError: 400, e.g. "image input is not supported by this model".
+    """
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str):
+            continue
+        for j, part in enumerate(message.content):
+            where = f"messages.{i}.content.{j}"
+            if part.type == "text":
+                if part.text is None:
+                    raise bad_request(f"Invalid value for '{where}.text': Field required",
+                                      "messages")
+            elif part.type in _MEDIA_PARTS:
+                raise bad_request(f"{_MEDIA_PARTS[part.type]} input is not supported by this "
+                                  f"model ({where} has type {part.type!r})", "messages")
+            else:
+                raise bad_request(f"content part type {part.type!r} is not supported "
+                                  f"({where}); use 'text'", "messages")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -169,8 +200,6 @@ def check_unsupported(req: SamplingRequest) -> None:
     """Refuse the OpenAI fields pdserve does not implement, naming them."""
     if isinstance(req, CompletionRequest) and req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of different from n is not supported", "best_of")
     if req.response_format and req.response_format.get("type", "text") != "text":

@@ -6,11 +6,11 @@ import logging
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway.debug import kv_audit
-from services.gateway.errors import GatewayError, error_response
+from services.gateway.errors import GatewayError, error_response, model_not_found
 from services.gateway.openapi import build_openapi
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -42,12 +42,27 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def list_models(request: Request) -> Response:
+async def _model_card(request: Request) -> dict:
     gw = request.app.state.gateway
-    return JSONResponse({"object": "list", "data": [{
-        "id": gw.config.served_model_name, "object": "model", "created": gw.created,
-        "owned_by": "pdserve", "root": gw.config.model_path,
-        "max_model_len": await gw.tokenization.max_model_len()}]})
+    return {"id": gw.config.served_model_name, "object": "model", "created": gw.created,
+            "owned_by": "pdserve", "root": gw.config.model_path, "parent": None,
+            "max_model_len": await gw.tokenization.max_model_len()}
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [await _model_card(request)]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """GET /v1/models/{model}: the card of the served model (404 for any other name)."""
+    model = request.path_params["model"]
+    if model != request.app.state.gateway.config.served_model_name:
+        raise model_not_found(model)
+    return JSONResponse(await _model_card(request))
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": _version()})
 
 
 async def create_completion(request: Request) -> Response:
@@ -78,8 +93,25 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.gateway.metrics.render(),
+    """The gateway's metrics, then every registered engine's (labelled instance and role)."""
+    gw = request.app.state.gateway
+    return Response(await gw.federation.render(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def docs(request: Request) -> Response:
+    """Swagger UI over /openapi.json (the UI's script and style come from a CDN)."""
+    return HTMLResponse(_DOCS_HTML)
+
+
+_DOCS_HTML = """<!doctype html>
+<html><head><title>pdserve API</title><meta charset="utf-8">
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css">
+</head><body><div id="swagger-ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui"});</script>
+</body></html>
+"""
 
 
 async def openapi(request: Request) -> Response:
@@ -104,13 +136,17 @@ def _version() -> str:
 
 ROUTES = [
     Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),
+    Route("/ping", health, methods=["GET", "POST"]),
+    Route("/version", version, methods=["GET"]),
     Route("/metrics", metrics, methods=["GET"]),
     Route("/openapi.json", openapi, methods=["GET"]),
+    Route("/docs", docs, methods=["GET"]),
     Route("/debug/kv-audit", kv_audit, methods=["GET"]),
 ]
 

@@ -100,6 +100,7 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             raise bad_request(f"{name} is out of range", name)
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     try:
         return SamplingParams(
             n=req.n,
@@ -113,12 +114,47 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop_token_ids=stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias)
     except ValueError as e:
         message = str(e)
         if message.startswith("max_tokens "):
             message = max_tokens_param + message.removeprefix("max_tokens")
         raise GatewayError(message, 400, message.split(" ", 1)[0]) from None
+
+
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""Most logit_bias entries one request may give (OpenAI documents up to 300 in practice)."""
+
+
+def parse_logit_bias(value: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"<token id>": bias}) as {token id: bias}, biases clamped to
+    [-100, 100] as OpenAI and vLLM do.
+
+    Raises:
+        GatewayError: 400 for a key that is not a token id of the vocabulary, or too many.
+    """
+    if not value:
+        return None
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad_request(f"logit_bias has {len(value)} entries; at most "
+                          f"{MAX_LOGIT_BIAS_ENTRIES} are allowed", "logit_bias")
+    out: dict[int, float] = {}
+    bad: list[str] = []
+    for key, bias in value.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            bad.append(key)
+            continue
+        if not 0 <= token_id < vocab_size:
+            bad.append(key)
+            continue
+        out[token_id] = max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(bias)))
+    if bad:
+        raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}); got "
+                          f"{bad[:5]}", "logit_bias")
+    return out
 
 
 def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingParams:
@@ -134,4 +170,6 @@ def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingPara
         params.logprobs = sp.logprobs
     if sp.prompt_logprobs is not None:
         params.prompt_logprobs = sp.prompt_logprobs
+    if sp.logit_bias:
+        params.logit_bias.update(sp.logit_bias)
     return params

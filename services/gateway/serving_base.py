@@ -25,6 +25,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
 from services.gateway.sampling import to_engine_params
 from services.gateway.serving import ServingEngine, merge_streams, run_until_disconnect
+from services.gateway.shutdown import ServerShutdown, ShutdownNotice
 from services.gateway.stop_checker import StopTable
 from services.gateway.tokenization import GatewayTokenizer
 from shared.sampling_params import SamplingParams
@@ -51,6 +52,10 @@ class ChoiceRun:
     deltas: AsyncIterator[ChoiceDelta]
     grant: Grant | None = None
     """The run's place in the waiting queue (None: no engine request was started)."""
+    started_at: float = 0.0
+    """time.monotonic() when the engine requests were started."""
+    first_token_at: float | None = None
+    """time.monotonic() of the run's first output (None: none yet)."""
 
     def release(self) -> None:
         if self.grant is not None:
@@ -135,9 +140,12 @@ class OpenAIServing:
 
     def __init__(self, config: GatewayConfig, engine: ServingEngine,
                  tokenizer: GatewayTokenizer, metrics: GatewayMetrics,
-                 admission: AdmissionQueue | None = None) -> None:
-        """`admission`: the waiting queue the endpoints share (default: one of their own)."""
+                 admission: AdmissionQueue | None = None,
+                 shutdown: ShutdownNotice | None = None) -> None:
+        """`admission`: the waiting queue the endpoints share (default: one of their own).
+        `shutdown`: tells when the grace period of a shutdown ends (shutdown.py)."""
         self.config = config
+        self.shutdown = shutdown or ShutdownNotice()
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -200,16 +208,36 @@ class OpenAIServing:
                 streams.append(_tracked(grant, index, self.engine.run_choice(
                     proc, f"{engine_prefix}-{index}", prompt.token_ids,
                     to_engine_params(sp, i), cache_salt=cache_salt, request_id=request_id)))
-        return ChoiceRun(prompts, processors, merge_streams(streams), grant)
+        for sp in sampling:
+            self.metrics.request_params_n.observe(sp.n)
+            for _ in range(sp.n):
+                self.metrics.request_params_max_tokens.observe(sp.max_tokens or 0)
+        return ChoiceRun(prompts, processors, merge_streams(streams), grant,
+                         started_at=time.monotonic())
 
-    def _observe_ttft(self, request: Request) -> None:
+    def _observe_ttft(self, request: Request, run: ChoiceRun) -> None:
+        run.first_token_at = now = time.monotonic()
         self.metrics.time_to_first_token.labels(self.route).observe(
-            time.monotonic() - request.state.arrival_time)
+            now - request.state.arrival_time)
 
-    def _count_tokens(self, run: ChoiceRun) -> None:
+    def _count_tokens(self, run: ChoiceRun, request: Request) -> None:
+        """The request-level figures, once the run ended (however it ended)."""
+        m, now = self.metrics, time.monotonic()
         usage = run.usage()
-        self.metrics.prompt_tokens.inc(usage["prompt_tokens"])
-        self.metrics.generation_tokens.inc(usage["completion_tokens"])
+        m.prompt_tokens.inc(usage["prompt_tokens"])
+        m.generation_tokens.inc(usage["completion_tokens"])
+        for prompt in run.prompts:
+            m.request_prompt_tokens.observe(len(prompt.token_ids))
+        for p in run.processors:
+            m.request_generation_tokens.observe(p.num_output_tokens)
+            m.request_success.labels(p.finish_reason or "abort").inc()
+        m.request_max_num_generation_tokens.observe(
+            max((p.num_output_tokens for p in run.processors), default=0))
+        m.request_queue_time.observe(max(0.0, run.started_at - request.state.arrival_time))
+        m.request_inference_time.observe(now - run.started_at)
+        if run.first_token_at is not None:
+            m.request_prefill_time.observe(run.first_token_at - run.started_at)
+            m.request_decode_time.observe(now - run.first_token_at)
 
     async def respond(self, request: Request, run: ChoiceRun, stream: bool,
                       build_response: Callable[[ChoiceRun, list[ChoiceDelta]], dict],
@@ -224,26 +252,32 @@ class OpenAIServing:
         """
         if not stream:
             try:
-                deltas = await run_until_disconnect(request.receive,
-                                                    self._collect(request, run))
+                deltas = await self._until_cut(request, run_until_disconnect(
+                    request.receive, self._collect(request, run)))
             finally:
                 await run.close()
-            self._count_tokens(run)
+            self._count_tokens(run, request)
             return JSONResponse(build_response(run, deltas))
         try:
-            first = await run_until_disconnect(request.receive, anext(run.deltas, None))
+            first = await self._until_cut(request, run_until_disconnect(
+                request.receive, anext(run.deltas, None)))
         except BaseException:
             await run.close()
             raise
         if first is not None:
-            self._observe_ttft(request)
+            self._observe_ttft(request, run)
 
         async def events() -> AsyncIterator[str]:
             try:
-                async for chunk in stream_chunks(run, first):
+                async for chunk in self.shutdown.until_cut(stream_chunks(run, first)):
                     yield sse_event(chunk)
                 if include_usage:
                     yield sse_event({**chunk_meta, "choices": [], "usage": run.usage()})
+            except ServerShutdown as e:
+                request.state.cut_by_shutdown = True
+                logger.info("[%s] stream cut: the shutdown's grace period ended",
+                            request.state.request_id)
+                yield sse_event(e.to_dict())
             except GatewayError as e:
                 yield sse_event(e.to_dict())
             except Exception:
@@ -251,16 +285,24 @@ class OpenAIServing:
                 yield sse_event(GatewayError("internal error", 500).to_dict())
             finally:
                 await run.close()
-                self._count_tokens(run)
+                self._count_tokens(run, request)
             yield sse_event("[DONE]")
 
         return _RunStreamingResponse(events(), run, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
+    async def _until_cut(self, request: Request, awaitable):
+        """`awaitable`'s result; ServerShutdown (503) when the grace period ends first."""
+        try:
+            return await self.shutdown.race(awaitable)
+        except ServerShutdown:
+            request.state.cut_by_shutdown = True
+            raise
+
     async def _collect(self, request: Request, run: ChoiceRun) -> list[ChoiceDelta]:
         deltas = []
         async for d in run.deltas:
             if not deltas:
-                self._observe_ttft(request)
+                self._observe_ttft(request, run)
             deltas.append(d)
         return deltas

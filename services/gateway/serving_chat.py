@@ -10,7 +10,11 @@ from starlette.responses import Response
 
 from services.gateway.errors import bad_request
 from services.gateway.output_processor import ChoiceDelta, TokenLogprob
-from services.gateway.protocol import ChatCompletionRequest, check_unsupported
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    check_content_parts,
+    check_unsupported,
+)
 from services.gateway.sampling import (
     build_sampling_params,
     check_limits,
@@ -35,6 +39,7 @@ class ChatServing(OpenAIServing):
         """The prompt ids of `req.messages` (also used by /tokenize)."""
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
+        check_content_parts(req.messages)
         if req.add_generation_prompt and req.continue_final_message:
             raise bad_request("continue_final_message and add_generation_prompt cannot both "
                               "be true", "continue_final_message")

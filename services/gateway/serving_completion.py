@@ -206,6 +206,7 @@ class _Uncounted:
     """A choice's usage view whose one generated token is dropped (echo-only logprobs)."""
 
     num_output_tokens = 0
+    finish_reason = "length"
 
     def __init__(self, processor: ChoiceProcessor) -> None:
         self._processor = processor
@@ -224,4 +225,4 @@ def _prompt_only(run: ChoiceRun) -> ChoiceRun:
                 yield ChoiceDelta(d.index, "", 0, [], "length", None, d.prompt_logprobs)
 
     return ChoiceRun(run.prompts, [_Uncounted(p) for p in run.processors],  # type: ignore[misc]
-                     deltas())
+                     deltas(), started_at=run.started_at)

@@ -31,8 +31,10 @@ class GatewayTokenizer:
     Rust tokenizer; encodes must not interleave.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, chat_template: str | None = None) -> None:
+        """`chat_template`: replaces the tokenizer's own (--chat-template)."""
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self._backend = tokenizer.backend_tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._token_text: dict[int, str] = {}
@@ -48,6 +50,8 @@ class GatewayTokenizer:
         return await self._run(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def encode_chat(self, messages: Sequence[dict], **kwargs) -> list[int]:
+        if self.chat_template is not None:
+            kwargs.setdefault("chat_template", self.chat_template)
         return await self._run(encode_chat, self.tokenizer, messages, **kwargs)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

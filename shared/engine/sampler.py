@@ -4,6 +4,7 @@ Order of operations (logprobs from the raw logits, as vLLM v1 returns them by de
 
     raw logits -> logprobs (fp32 log-softmax, before anything else)
                -> min_tokens suppression -> penalties (repetition, then frequency / presence)
+               -> logit_bias (added to the (row, token) pairs of every row that has one)
                -> greedy rows: argmax
                -> random rows: temperature -> top-k -> top-p -> min-p -> exponential race
 
@@ -81,10 +82,12 @@ class Sampler:
         if md.is_plain_greedy:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * md.num_reqs)
         logprobs = _compute_logprobs(logits, md) if md.max_num_logprobs is not None else None
-        if md.min_tokens_rows is not None or md.penalties is not None:
+        if md.min_tokens_rows is not None or md.penalties is not None \
+                or md.logit_bias_rows is not None:
             logits = logits.clone()
             apply_min_tokens(logits, md)
             apply_penalties(logits, md)
+            apply_logit_bias(logits, md)
         if md.all_random:
             sampled = torch.empty(md.num_reqs, dtype=torch.int64, device=logits.device)
         else:
@@ -200,6 +203,16 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         assert metadata.min_tokens_token_ids is not None
         logits.index_put_((metadata.min_tokens_rows, metadata.min_tokens_token_ids),
                           torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: logits[row, token] += bias for every request's logit_bias, one batched
+    scatter-add over the (row, token) pairs of the whole batch (pairs are unique)."""
+    if metadata.logit_bias_rows is not None:
+        assert metadata.logit_bias_token_ids is not None
+        assert metadata.logit_bias_values is not None
+        logits.index_put_((metadata.logit_bias_rows, metadata.logit_bias_token_ids),
+                          metadata.logit_bias_values.to(logits.dtype), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

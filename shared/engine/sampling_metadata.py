@@ -69,6 +69,13 @@ class SamplingMetadata:
     while a request has fewer than min_tokens outputs (EOS unless ignore_eos, stop ids)."""
     min_tokens_token_ids: torch.Tensor | None
     """[num_pairs] int64."""
+    logit_bias_rows: torch.Tensor | None
+    """[num_biases] int64; with `logit_bias_token_ids` and `logit_bias_values`, the (row,
+    token) logits the requests' logit_bias adds to (None: no row has one)."""
+    logit_bias_token_ids: torch.Tensor | None
+    """[num_biases] int64, unique per row."""
+    logit_bias_values: torch.Tensor | None
+    """[num_biases] float32."""
     num_logprobs: list[int | None]
     """Per row: SamplingParams.logprobs (None: no logprobs for that row)."""
     max_num_logprobs: int | None
@@ -84,7 +91,7 @@ class SamplingMetadata:
     def is_plain_greedy(self) -> bool:
         """All rows greedy, with no penalty, min_tokens or logprobs: a bare argmax."""
         return (self.all_greedy and self.penalties is None and self.min_tokens_rows is None
-                and self.max_num_logprobs is None)
+                and self.max_num_logprobs is None and self.logit_bias_rows is None)
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int,
@@ -109,6 +116,9 @@ class SamplingMetadata:
         penalty_rows: list[int] = []
         suppress_rows: list[int] = []
         suppress_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
         for row, request in enumerate(requests):
             sp = request.sampling_params
             k = sp.effective_top_k
@@ -137,6 +147,12 @@ class SamplingMetadata:
                 for token_id in sorted(i for i in ids if i < vocab_size):
                     suppress_rows.append(row)
                     suppress_ids.append(token_id)
+            if sp.logit_bias:
+                for token_id, bias in sp.logit_bias.items():
+                    if token_id < vocab_size:
+                        bias_rows.append(row)
+                        bias_ids.append(token_id)
+                        bias_values.append(bias)
         num_logprobs = [r.sampling_params.logprobs for r in requests]
         requested = [n for n in num_logprobs if n is not None]
         return cls(
@@ -157,6 +173,10 @@ class SamplingMetadata:
             penalties=_build_penalties(requests, penalty_rows, vocab_size, device),
             min_tokens_rows=_to_index(suppress_rows, device),
             min_tokens_token_ids=_to_index(suppress_ids, device),
+            logit_bias_rows=_to_index(bias_rows, device),
+            logit_bias_token_ids=_to_index(bias_ids, device),
+            logit_bias_values=torch.tensor(bias_values, dtype=torch.float32, device=device)
+            if bias_values else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
             all_greedy=len(greedy_rows) == len(requests),

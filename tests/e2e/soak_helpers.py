@@ -49,7 +49,7 @@ INVALID_EDITS = (
     lambda b: b.update(n=0),
     lambda b: b.update(n=10_000),
     lambda b: b.update(stop=[""]),
-    lambda b: b.update(logit_bias={"11": 5.0}),
+    lambda b: b.update(logit_bias={"-11": 5.0}),
     lambda b: b.update(stream="yes"),
     lambda b: b.update(stream_options={"include_usage": True}, stream=False),
     lambda b: b.pop("messages" if "messages" in b else "prompt"),

@@ -80,7 +80,8 @@ MALFORMED_CHAT = [
     chat_body(stream_options={"include_usage": True}),
     chat_body(messages=None),
     chat_body(tools=[{"type": "function", "function": {"name": "f"}}]),
-    chat_body(logit_bias={"1": 5}),
+    chat_body(logit_bias={"one": 5}),
+    chat_body(logit_bias={"99999999": 5}),
     chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
     chat_body(add_generation_prompt=True, continue_final_message=True),
     b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
@@ -144,9 +145,13 @@ async def test_body_size_limit(make_gateway):
 
 async def test_api_key(make_gateway, monkeypatch):
     gw = await make_gateway(api_key="sekret")
-    for path in ("/v1/models", "/metrics"):
-        err = assert_error_object(await gw.http.get(path), 401)
-        assert err["type"]
+    err = assert_error_object(await gw.http.get("/v1/models"), 401)
+    assert err["type"]
+    assert (await gw.http.get("/metrics")).status_code == 200  # open, as vLLM's
+    locked = await make_gateway(api_key="sekret", protect_metrics=True)
+    assert_error_object(await locked.http.get("/metrics"), 401)
+    r = await locked.http.get("/metrics", headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200 and "pdserve_gateway_requests_total" in r.text
     assert_error_object(await gw.http.post(CHAT, json=chat_body(),
                                            headers={"Authorization": "Bearer wrong"}), 401)
     assert (await gw.http.get("/health")).status_code == 200

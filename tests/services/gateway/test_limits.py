@@ -221,8 +221,7 @@ async def test_body_over_the_limit_is_413_streamed_or_declared(make_gateway):
 
 async def test_openapi_document(make_gateway):
     gw = await make_gateway(api_key="k")
-    assert_error_object(await gw.http.get("/openapi.json"), 401)
-    r = await gw.http.get("/openapi.json", headers={"Authorization": "Bearer k"})
+    r = await gw.http.get("/openapi.json")  # open, as vLLM's (/docs reads it)
     assert r.status_code == 200
     doc = r.json()
     assert doc["openapi"].startswith("3.")

@@ -361,3 +361,33 @@ def test_metadata_from_requests() -> None:
     assert md.penalties.prompt_token_ids is None  # no repetition penalty in the batch
     assert md.penalties.output_token_ids.tolist() == [[50]]  # no outputs yet: padding only
     assert md.min_tokens_rows is None
+
+
+# ---- logit_bias
+
+
+def test_logit_bias_forces_and_bans_tokens_in_one_batch():
+    """Rows with and without logit_bias in one batch: +100 forces a token (greedy and
+    random), -100 bans the argmax, rows without a bias are untouched; logprobs stay those
+    of the raw logits (as vLLM's)."""
+    sampler = Sampler(seed=0)
+    logits = LOGITS.repeat(4, 1)
+    requests = [make_request("force-greedy", temperature=0.0, logit_bias={9: 100.0}),
+                make_request("ban-greedy", temperature=0.0, logit_bias={0: -100.0},
+                             logprobs=1),
+                make_request("plain-greedy", temperature=0.0),
+                make_request("force-random", temperature=1.0, seed=3,
+                             logit_bias={7: 100.0, 11: -5.0})]
+    out = run(sampler, requests, logits)
+    assert out.sampled_token_ids == [9, 1, 0, 7]
+    raw = torch.log_softmax(LOGITS, dim=-1)
+    assert out.logprobs[1].token_id == 1
+    assert out.logprobs[1].logprob == pytest.approx(raw[1].item(), abs=1e-5)
+    assert torch.equal(logits, LOGITS.repeat(4, 1))  # the input is not modified
+
+
+def test_logit_bias_is_validated():
+    with pytest.raises(ValueError, match="^logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="^logit_bias"):
+        SamplingParams(logit_bias={1: float("nan")})

@@ -1,0 +1,85 @@
+"""The end of the grace period, told to the requests still running.
+
+    SIGTERM / Ctrl-C ─▶ uvicorn stops accepting; in-flight requests go on
+                    ─▶ `grace_period` s later ShutdownNotice.cut(): every stream still
+                       running sends a final error event ({"error": {"type":
+                       "server_shutdown", ...}}) and `data: [DONE]`, a non-streamed request
+                       answers 503 (type server_shutdown); their engine requests are aborted
+                    ─▶ uvicorn finds no task left and exits 0 (its own, later timeout would
+                       cancel the tasks instead: tracebacks, and a cut connection)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from services.gateway.errors import GatewayError
+
+_T = TypeVar("_T")
+
+
+class ServerShutdown(GatewayError):
+    def __init__(self) -> None:
+        super().__init__("The server is shutting down: the grace period for requests in "
+                         "flight ended before this one finished.", 503,
+                         err_type="server_shutdown")
+
+
+class ShutdownNotice:
+    """Set once, on the event loop, when the grace period ends."""
+
+    def __init__(self) -> None:
+        self._cut: asyncio.Event | None = None
+        self.draining = False
+
+    def _event(self) -> asyncio.Event:
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        return self._cut
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut is not None and self._cut.is_set()
+
+    def begin(self, grace: float) -> None:
+        """Start the grace period (call on the event loop)."""
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().call_later(grace, self.cut)
+
+    def cut(self) -> None:
+        self._event().set()
+
+    async def wait(self) -> None:
+        await self._event().wait()
+
+    async def race(self, awaitable) -> object:
+        """`awaitable`'s result, or ServerShutdown when the grace period ends first."""
+        if self.is_cut:
+            raise ServerShutdown()
+        task = asyncio.ensure_future(awaitable)
+        cut = asyncio.ensure_future(self.wait())
+        try:
+            await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            cut.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ServerShutdown()
+
+    async def until_cut(self, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
+        """`items` until they end, or ServerShutdown when the grace period ends first."""
+        it = aiter(items)
+        while True:
+            try:
+                item = await self.race(anext(it))
+            except StopAsyncIteration:
+                return
+            yield item  # type: ignore[misc]
