@@ -70,6 +70,8 @@ class ModelConfig:
     """Prompt + generated tokens, at most the model's max_position_embeddings."""
     vocab_size: int = 0
     """From the HF config; token ids outside [0, vocab_size) are rejected."""
+    seed: int | None = None
+    """Seeds the sampler's generator of requests without a seed (--seed); None: random."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,6 +62,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     core_share: str = ""
     scheduling_policy: str = "sjf"
+    seed: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -98,6 +99,9 @@ class EngineArgs:
                        help="waiting requests: shortest prompt first (with a 10 s aging "
                             "bound) or arrival order")
         g.add_argument("--device", default=env("device", d.device), choices=["cpu", "cuda"])
+        g.add_argument("--seed", type=int, default=env("seed", None),
+                       help="seeds the sampler's generator of requests without a seed of "
+                            "their own (default: random)")
         g.add_argument("--cpu-cores", default=env("cpu_cores", d.cpu_cores),
                        help="cores to bind to, e.g. 0-1")
         g.add_argument("--num-threads", type=int, default=int(env("num_threads", 0)))
@@ -138,7 +142,8 @@ class EngineArgs:
         model_config = ModelConfig(model=self.model, model_path=str(model_path),
                                    served_model_name=name, dtype=self.dtype,  # type: ignore
                                    max_model_len=max_model_len,
-                                   vocab_size=int(hf["vocab_size"]))
+                                   vocab_size=int(hf["vocab_size"]),
+                                   seed=None if self.seed is None else int(self.seed))
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory=parse_size(self.kv_cache_memory),
                                    enable_prefix_caching=self.enable_prefix_caching,

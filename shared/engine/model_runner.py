@@ -84,7 +84,7 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed=model_config.seed)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s",
                     self.num_gpu_blocks, self.block_size,
                     self.num_gpu_blocks * kv_cache_bytes_per_block(
