@@ -1,4 +1,9 @@
-"""The `pdserve` command: convert, generate, serve {prefill,decode,gateway}, up, healthcheck."""
+"""The `pdserve` command: convert, generate, serve {prefill,decode,gateway}, up, healthcheck.
+
+As `vllm serve MODEL`: `pdserve serve MODEL [flags]` (a model, not a role, after `serve`)
+runs the whole stack, i.e. `pdserve up --model MODEL [flags]`. Global flags (`--log-level`)
+work before or after the subcommand.
+"""
 
 from __future__ import annotations
 
@@ -88,9 +93,35 @@ def _add_up_command(sub) -> None:
     add_up_command(sub)
 
 
+_ROLES = ("prefill", "decode", "gateway")
+
+
+def normalize_argv(argv: list[str]) -> tuple[list[str], str | None]:
+    """(argv with `serve MODEL` rewritten to `up --model MODEL` and every `--log-level V`
+    moved in front of the subcommand, the --log-level given (last wins) or None)."""
+    rest, log_level, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--log-level" and i + 1 < len(argv):
+            log_level, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--log-level="):
+            log_level = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if rest[:1] == ["serve"] and len(rest) > 1 and rest[1] not in (*_ROLES, "-h", "--help"):
+        rest = ["up", *(["--model", rest[1], *rest[2:]] if not rest[1].startswith("-")
+                        else rest[1:])]
+    return ([] if log_level is None else ["--log-level", log_level]) + rest, log_level
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    args, log_level = normalize_argv(sys.argv[1:] if argv is None else list(argv))
+    ns = parser.parse_args(args)
+    if log_level is not None:  # a subcommand's own --log-level default must not win
+        ns.log_level = log_level
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return int(ns.func(ns) or 0)

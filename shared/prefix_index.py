@@ -77,6 +77,8 @@ class InstanceInfo:
     num_waiting: int = 0
     kv_usage: float = 0.0
     block_size: int = 16
+    metrics_address: str = ""
+    """host:port of its Prometheus endpoint ("" without one); the gateway federates it."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))

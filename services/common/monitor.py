@@ -35,9 +35,12 @@ def net_changes(events: list[KVCacheEvent]) -> tuple[list[bytes], list[bytes]]:
 
 
 class InstanceMonitor:
-    def __init__(self, worker: EngineWorker, index: PrefixIndex | None) -> None:
+    def __init__(self, worker: EngineWorker, index: PrefixIndex | None,
+                 metrics_address: str = "") -> None:
+        """`metrics_address`: host:port of the instance's /metrics, registered with it."""
         self.worker = worker
         self.index = index
+        self.metrics_address = metrics_address
         self.config = worker.config
         self.stats: EngineStats | None = None
         self.dirty = True
@@ -62,7 +65,8 @@ class InstanceMonitor:
             instance_id=w.identity.instance_id, role=w.role, address=w.identity.address,
             model=w.model_name, num_running=s.num_running if s else 0,
             num_waiting=(s.num_waiting if s else 0) + w.num_pending(),
-            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, block_size=w.block_size)
+            kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, block_size=w.block_size,
+            metrics_address=self.metrics_address)
 
     async def _run(self) -> None:
         next_heartbeat = 0.0

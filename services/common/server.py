@@ -133,7 +133,11 @@ class ServiceRuntime:
             self.index = PrefixIndex(self.config.redis_url, self.worker.model_name,
                                      ttl=self.config.registration_ttl,
                                      max_backoff=self.config.redis_max_backoff)
-        self.monitor = InstanceMonitor(self.worker, self.index)
+        metrics_address = ""
+        if self.metrics_port is not None:
+            host = self.identity.address.rsplit(":", 1)[0]
+            metrics_address = f"{host}:{self.metrics_port}"
+        self.monitor = InstanceMonitor(self.worker, self.index, metrics_address)
         self.monitor.start()
         if self.config.stall_timeout > 0:
             self.watchdog = StallWatchdog(engine, self.config.stall_timeout,

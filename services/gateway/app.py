@@ -29,8 +29,8 @@ from services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
 from services.gateway.serving import ServingEngine
 from services.gateway.serving_chat import ChatServing
 from services.gateway.serving_completion import CompletionServing
-from services.gateway.shutdown import ShutdownNotice
 from services.gateway.serving_tokenization import TokenizationServing
+from services.gateway.shutdown import ShutdownNotice
 from services.gateway.tokenization import GatewayTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
                         config.served_model_name, info.max_model_len,
                         list(config.prefill_urls), list(config.decode_urls))
         except GatewayError as e:
-            logger.warning("no engine instance answered yet (%s); will retry per request", e)
+            logger.info("the engines are not ready yet (%s); asking again per request", e)
         yield
         await federation.close()
         await engine.close()

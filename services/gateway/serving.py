@@ -111,7 +111,10 @@ class ServingEngine:
         states = []
         for (role, address), reply in zip(targets, replies):
             if isinstance(reply, grpc.aio.AioRpcError):
-                logger.warning("GetState on %s %s failed: %s", role, address, reply.code().name)
+                # UNAVAILABLE: still loading (every normal start) or gone; not worth a warning.
+                log = logger.debug if reply.code() == grpc.StatusCode.UNAVAILABLE \
+                    else logger.warning
+                log("GetState on %s %s failed: %s", role, address, reply.code().name)
             elif isinstance(reply, BaseException):
                 raise reply
             else:

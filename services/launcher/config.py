@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 
+from services.gateway.config import add_compat_args
 from shared.engine_args import EngineArgs, parse_cores
 
 
@@ -91,8 +93,22 @@ the decode batch, and every prompt with this many uncached tokens still goes thr
 prefill service and a KV transfer."""
 
 
+_COMPAT_FLAGS = ("tokenizer", "chat-template", "metrics-compat")
+_COMPAT_LISTS = ("allowed-origins", "allowed-methods", "allowed-headers")
+_COMPAT_SWITCHES = ("allow-credentials", "protect-metrics")
+
+
 def _gateway_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     out: list[str] = []
+    for flag in _COMPAT_FLAGS:
+        value = getattr(ns, flag.replace("-", "_"))
+        if value:
+            out += [f"--{flag}", str(value)]
+    for flag in _COMPAT_LISTS:
+        value = getattr(ns, flag.replace("-", "_"))
+        if list(value) != ["*"]:
+            out += [f"--{flag}", json.dumps(list(value))]
+    out += [f"--{flag}" for flag in _COMPAT_SWITCHES if getattr(ns, flag.replace("-", "_"))]
     for flag, _, _ in _GATEWAY_FLAGS:
         value = getattr(ns, flag.replace("-", "_"))
         if flag == "local-prefill-threshold" and value is None:
@@ -112,6 +128,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag, kind, text in _GATEWAY_FLAGS:
         g.add_argument(f"--{flag}", type=kind, default=None,
                        help=text + " (passed to the gateway; default: the gateway's)")
+    add_compat_args(parser)
     EngineArgs.add_cli_args(parser)
     g = parser.add_argument_group("launcher")
     g.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),

@@ -86,3 +86,63 @@ def format_cores(cores: Sequence[int]) -> str:
         else:
             runs.append([c, c])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+class PinnedEngine(NamedTuple):
+    pid: int
+    role: str
+    cores: Cores
+
+
+def _engine_role(args: list[str]) -> str | None:
+    """"prefill" / "decode" when `args` (a command line) runs a pdserve engine, else None."""
+    for i, arg in enumerate(args[:-1]):
+        if arg == "serve" and args[i + 1] in ("prefill", "decode"):
+            return args[i + 1]
+        if arg == "-m" and args[i + 1] in ("services.prefill", "services.decode"):
+            return args[i + 1].split(".")[1]
+    return None
+
+
+def pinned_engines(exclude: Sequence[int] = ()) -> list[PinnedEngine]:
+    """The pdserve engine processes on this machine bound to only some of its cores
+    (affinity narrower than every online core), but for the pids in `exclude`.
+
+    An engine that may run on every core (the core share's default) pins nothing: engines
+    of two `pdserve up` on one host then divide the cores through the host's core board.
+    Linux only (reads /proc); elsewhere: [].
+    """
+    proc = "/proc"
+    if not hasattr(os, "sched_getaffinity") or not os.path.isdir(proc):
+        return []
+    machine = set(range(os.cpu_count() or 1))
+    out = []
+    for name in os.listdir(proc):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        try:
+            with open(f"{proc}/{name}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+            role = _engine_role(args)
+            if role is None:
+                continue
+            cores = set(os.sched_getaffinity(int(name)))
+        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+            continue
+        if cores and cores < machine:
+            out.append(PinnedEngine(int(name), role, tuple(sorted(cores))))
+    return out
+
+
+def avoid_pinned(wanted: Sequence[int], others: Sequence[PinnedEngine]
+                 ) -> tuple[Cores, str | None]:
+    """(the cores of `wanted` no other engine is pinned to, a one-line reason when that is
+    not all of them, or None)."""
+    taken = {c for e in others for c in e.cores}
+    free = tuple(c for c in wanted if c not in taken)
+    if len(free) == len(tuple(wanted)):
+        return free, None
+    who = ", ".join(f"pid {e.pid} ({e.role}, cores {format_cores(e.cores)})"
+                    for e in others if taken & set(e.cores))
+    return free, f"cores {format_cores(sorted(taken & set(wanted)))} are pinned by another " \
+                 f"pdserve's engines: {who}"

@@ -13,6 +13,7 @@ A second Ctrl-C kills everything at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -23,7 +24,7 @@ import threading
 import time
 
 from services.launcher.config import UpConfig, config_from_args
-from services.launcher.cores import format_cores
+from services.launcher.cores import available_cores, avoid_pinned, format_cores, pinned_engines
 from services.launcher.health import Prober
 from services.launcher.plan import ChildSpec, Plan, build_plan, child_env
 from services.launcher.prereqs import (
@@ -228,6 +229,34 @@ def _port_in_use(host: str, port: int) -> bool:
     return False
 
 
+def _claim_cores(config: UpConfig, say) -> UpConfig:
+    """Keep off the cores other pdserve engines of this machine are pinned to.
+
+    Cores chosen with --cpu-cores / --prefill-cpu-cores / --decode-cpu-cores are used as
+    given (one line says whose they are); otherwise the launcher takes the cores nobody
+    pinned, and refuses (SetupError, one line) when none are left.
+    """
+    others = pinned_engines(exclude=(os.getpid(),))
+    if not others:
+        return config
+    explicit = [c for cores in (config.cpu_cores, config.prefill_cpu_cores,
+                                config.decode_cpu_cores) for c in cores or ()]
+    if explicit:
+        _, reason = avoid_pinned(sorted(set(explicit)), others)
+        if reason:
+            say(f"warning: {reason}; using them as --cpu-cores asks")
+        return config
+    wanted = available_cores()
+    free, reason = avoid_pinned(wanted, others)
+    if reason is None:
+        return config
+    if not free:
+        raise SetupError(f"{reason}, and this machine has no other core for this one "
+                         f"(stop that pdserve, or pass --cpu-cores to share them knowingly)")
+    say(f"{reason}; using cores {format_cores(free)}")
+    return dataclasses.replace(config, cpu_cores=free)
+
+
 def main(ns: argparse.Namespace) -> int:
     sink = LogSink(sys.stdout, width=len(NAME))
     try:
@@ -238,6 +267,12 @@ def main(ns: argparse.Namespace) -> int:
 
     def say(message: str) -> None:
         sink.write(NAME, message)
+
+    try:
+        config = _claim_cores(config, say)
+    except SetupError as e:
+        say(f"error: {e}")
+        return 1
 
     try:
         if config.redis_url is None:
