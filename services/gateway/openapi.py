@@ -2,18 +2,21 @@
 
 Every route of the app becomes a path; the request bodies are the JSON schemas of the
 pydantic models in protocol.py (`model_json_schema`), and every error is the OpenAI error
-object (`ErrorResponse`). All routes but /health need `Authorization: Bearer <api key>`
-when the gateway has API keys.
+object (`ErrorResponse`). With API keys, every route but the public ones
+(middleware.PUBLIC_ROUTES: /health, /ping, /version, /docs, /openapi.json, /metrics) needs
+`Authorization: Bearer <api key>`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute, Route
 
+from services.gateway.middleware import PUBLIC_ROUTES
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -23,7 +26,8 @@ from services.gateway.protocol import (
 )
 
 _REF = "#/components/schemas/{model}"
-_PUBLIC = frozenset({"/health"})
+_PUBLIC = PUBLIC_ROUTES
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
@@ -32,6 +36,10 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
 }
 _SUMMARIES = {
     "/v1/models": "The served model.",
+    "/v1/models/{model}": "One model's card (404 unless it is the served model).",
+    "/ping": "As /health (vLLM's, for SageMaker-style load balancers).",
+    "/version": "The pdserve version.",
+    "/docs": "Swagger UI over this document.",
     "/v1/completions": "OpenAI completions (text or token-id prompts; `stream` for SSE).",
     "/v1/chat/completions": "OpenAI chat completions (`stream` for SSE).",
     "/tokenize": "Token ids of a prompt or of chat messages.",
@@ -82,6 +90,11 @@ def _operation(path: str, method: str) -> dict:
     return op
 
 
+def openapi_path(path: str) -> str:
+    """A route path as OpenAPI writes it: /v1/models/{model:path} -> /v1/models/{model}."""
+    return _CONVERTER.sub(r"{\1}", path)
+
+
 def build_openapi(routes: Iterable[BaseRoute], *, title: str, version: str) -> dict:
     """The OpenAPI 3.1 document of `routes` (starlette Routes; others are skipped)."""
     models = [*REQUEST_MODELS.values(), ErrorResponse]
@@ -91,7 +104,12 @@ def build_openapi(routes: Iterable[BaseRoute], *, title: str, version: str) -> d
         if not isinstance(route, Route):
             continue
         methods = sorted(m.lower() for m in (route.methods or {"GET"}) if m != "HEAD")
-        paths[route.path] = {m: _operation(route.path, m) for m in methods}
+        path = openapi_path(route.path)
+        paths[path] = {m: _operation(path, m) for m in methods}
+        for name in route.param_convertors:
+            for op in paths[path].values():
+                op["parameters"] = [{"name": name, "in": "path", "required": True,
+                                     "schema": {"type": "string"}}]
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version,

@@ -14,6 +14,7 @@ import pytest_asyncio
 
 from services.gateway import serving_base
 from services.gateway.admission import AdmissionQueue
+from services.gateway.openapi import openapi_path
 from tests.services.gateway.conftest import running_gateway
 from tests.services.gateway.helpers import (
     CHAT,
@@ -225,7 +226,7 @@ async def test_openapi_document(make_gateway):
     assert r.status_code == 200
     doc = r.json()
     assert doc["openapi"].startswith("3.")
-    routes = {route.path: route.methods for route in gw.app.routes}
+    routes = {openapi_path(route.path): route.methods for route in gw.app.routes}
     assert set(doc["paths"]) == set(routes)
     for path, methods in routes.items():
         assert {m.lower() for m in methods} - {"head"} == set(doc["paths"][path]), path
