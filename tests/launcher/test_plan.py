@@ -168,3 +168,20 @@ def test_curl_line_pastes_as_is():
     assert "Authorization: Bearer k'ey" in words
     body = json.loads(words[words.index("-d") + 1])
     assert body["model"] == "it's-a-model" and body["messages"][0]["role"] == "user"
+
+
+def test_avoid_pinned_cores_of_other_engines():
+    from services.launcher.cores import PinnedEngine, _engine_role, avoid_pinned
+
+    assert _engine_role(["python", "-m", "shared.cli", "--log-level", "INFO", "serve",
+                         "decode", "--port", "1"]) == "decode"
+    assert _engine_role(["/usr/bin/pdserve", "serve", "prefill"]) == "prefill"
+    assert _engine_role(["python", "-m", "services.prefill"]) == "prefill"
+    assert _engine_role(["python", "-m", "shared.cli", "serve", "gateway"]) is None
+    others = [PinnedEngine(11, "prefill", (0,)), PinnedEngine(12, "decode", (1,))]
+    assert avoid_pinned((0, 1, 2, 3), []) == ((0, 1, 2, 3), None)
+    free, reason = avoid_pinned((0, 1, 2, 3), others)
+    assert free == (2, 3)
+    assert reason == ("cores 0-1 are pinned by another pdserve's engines: pid 11 (prefill, "
+                      "cores 0), pid 12 (decode, cores 1)")
+    assert avoid_pinned((0, 1), others)[0] == ()

@@ -34,3 +34,31 @@ def test_generate_chat_from_messages_json(model_path):
 def test_generate_bad_input_exits_2_with_the_field_named(model_path):
     p = _pdserve("generate", "--prompt", "hi", "--max-tokens", "0")
     assert p.returncode == 2 and "max_tokens" in p.stderr
+
+
+def test_vllm_style_command_lines_parse():
+    """`pdserve serve MODEL` is `pdserve up --model MODEL` (as `vllm serve MODEL`); global
+    flags work after the subcommand too; the gateway's compat flags reach `up`."""
+    from services.launcher.config import config_from_args
+    from shared.cli import build_parser, normalize_argv
+
+    parser = build_parser()
+    args, level = normalize_argv(["serve", "/models/x", "--port", "9000", "--log-level",
+                                  "DEBUG", "--seed", "7", "--chat-template", "t.jinja",
+                                  "--allowed-origins", '["https://a.example"]',
+                                  "--metrics-compat", "vllm"])
+    ns = parser.parse_args(args)
+    assert (ns.command, ns.model, ns.port, ns.log_level, level) == \
+        ("up", "/models/x", 9000, "DEBUG", "DEBUG")
+    config = config_from_args(ns)
+    assert config.engine_args.seed == 7 and config.log_level == "DEBUG"
+    flags = config.gateway_flags
+    assert flags[flags.index("--chat-template") + 1] == "t.jinja"
+    assert flags[flags.index("--allowed-origins") + 1] == '["https://a.example"]'
+    assert flags[flags.index("--metrics-compat") + 1] == "vllm"
+    for argv in (["up", "--log-level", "DEBUG"], ["--log-level", "DEBUG", "up"],
+                 ["up", "--log-level=DEBUG"]):
+        args, _ = normalize_argv(argv)
+        assert parser.parse_args(args).log_level == "DEBUG"
+    args, _ = normalize_argv(["serve", "gateway", "--port", "1"])
+    assert parser.parse_args(args).serve_role == "gateway"
