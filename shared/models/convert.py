@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     Writes to a temporary sibling directory and renames it, so a crash mid-way never
     leaves a half-written cache that later loads would trust.
     """
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     steps = ["load tokenizer", "dequantize weights", "save safetensors", "finish"]
-    with tqdm(total=len(steps), desc=f"converting {gguf_path.name}", unit="step") as bar:
+    with _progress(len(steps), f"converting {gguf_path.name}") as bar:
         bar.set_postfix_str(steps[0])
         tokenizer = AutoTokenizer.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name)
@@ -87,6 +87,51 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tmp.rename(out_dir)
         bar.update(1)
     return out_dir
+
+
+class _LineProgress:
+    """tqdm's update / set_postfix_str as one plain line per step (output to a log)."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.n = total, desc, 0
+
+    def set_postfix_str(self, step: str) -> None:
+        print(f"{self.desc}: step {self.n + 1}/{self.total}: {step}", file=sys.stderr,
+              flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n >= self.total:
+            print(f"{self.desc}: done", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _LineProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar on a terminal; plain lines when stderr is not one (a log, CI), with
+    transformers' own nested bars off (they garble a log)."""
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="step")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:  # NOTE: the GGUF loader's bar ignores disable_progress_bar(): silence it here
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = _no_bar
+    except ImportError:
+        pass
+    return _LineProgress(total, desc)
+
+
+def _no_bar(iterable, *args, **kwargs):
+    return iterable
 
 
 def resolve_model_path(model: str | None = None, convert: bool = True) -> Path:
