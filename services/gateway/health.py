@@ -139,7 +139,9 @@ class HealthTracker:
         old = self._status.get(address, InstanceStatus.UNKNOWN)
         self._status[address] = status
         if old is not status:
-            log = logger.info if status is InstanceStatus.SERVING else logger.warning
+            # Only losing a serving instance is worth a warning; an instance that is still
+            # starting (unknown / unreachable -> not_serving on every normal start) is not.
+            log = logger.warning if old is InstanceStatus.SERVING else logger.info
             log("instance %s: %s -> %s (%s)", address, old.value, status.value, why)
 
     async def _poll_forever(self) -> None:

@@ -308,4 +308,6 @@ def test_sigterm_during_a_long_stream_ends_it_with_an_error_event(stack):
     assert stopped.count("exit 0") == 4, stopped  # gateway, prefill-0, decode-0, redis
     assert "Traceback" not in text and "CancelledError" not in text, text[-6000:]
     assert re.search(r"POST /v1/chat/completions 200 [\d.]+s cut \(server_shutdown\)", text)
+    # a normal start and an orderly stop warn about nothing of theirs
     assert not re.search(r"GetState .* failed: UNAVAILABLE", text)
+    assert not re.search(r"\[(gateway|prefill-0|decode-0)\] .* (WARNING|ERROR) ", text), text
