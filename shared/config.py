@@ -70,6 +70,10 @@ class ModelConfig:
     """Prompt + generated tokens, at most the model's max_position_embeddings."""
     vocab_size: int = 0
     """From the HF config; token ids outside [0, vocab_size) are rejected."""
+    quantization: Literal["none", "int8"] = "none"
+    """"int8": linear layers, LM head and embeddings quantized at load, symmetric per output
+    channel (`kernels.cpu_int8`); KV stays `dtype`. Prefill and decode must agree: the KV
+    handle carries it and it enters the prefix-cache block hashes."""
     seed: int | None = None
     """Seeds the sampler's generator of requests without a seed (--seed); None: random."""
 

@@ -62,6 +62,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     core_share: str = ""
     scheduling_policy: str = "sjf"
+    quantization: str = "none"
     seed: int | None = None
 
     @staticmethod
@@ -98,6 +99,11 @@ class EngineArgs:
                        choices=["sjf", "fcfs"],
                        help="waiting requests: shortest prompt first (with a 10 s aging "
                             "bound) or arrival order")
+        g.add_argument("--quantization", default=env("quantization", d.quantization),
+                       choices=["none", "int8"],
+                       help="int8: linear layers, LM head and embeddings in int8 (symmetric "
+                            "per output channel, fp32 activations; CPU only); "
+                            "prefill and decode must use the same")
         g.add_argument("--device", default=env("device", d.device), choices=["cpu", "cuda"])
         g.add_argument("--seed", type=int, default=env("seed", None),
                        help="seeds the sampler's generator of requests without a seed of "
@@ -135,6 +141,11 @@ class EngineArgs:
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
+                             f"{self.device} {self.dtype}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         name = self.served_model_name or (
@@ -143,6 +154,7 @@ class EngineArgs:
                                    served_model_name=name, dtype=self.dtype,  # type: ignore
                                    max_model_len=max_model_len,
                                    vocab_size=int(hf["vocab_size"]),
+                                   quantization=self.quantization,  # type: ignore[arg-type]
                                    seed=None if self.seed is None else int(self.seed))
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory=parse_size(self.kv_cache_memory),

@@ -41,6 +41,7 @@ class EngineState(NamedTuple):
     invariants_error: str
     max_model_len: int
     block_size: int
+    quantization: str = "none"
 
 
 def stats_op(engine: EngineCore) -> EngineStats:
@@ -102,6 +103,7 @@ class EngineWorker:
         self.eos_token_id = eos_token_id
         core = engine.engine
         self.model_name = core.model_config.served_model_name
+        self.quantization = core.model_config.quantization
         self.max_model_len = core.model_config.max_model_len
         self.block_size = core.kv_cache_manager.block_size
         self.num_gpu_blocks = core.num_gpu_blocks
@@ -149,7 +151,7 @@ class EngineWorker:
             num_pinned_blocks=self.num_pinned_blocks(), num_running=stats.num_running,
             num_waiting=stats.num_waiting + self.num_pending(), invariants_ok=not error,
             invariants_error=error, max_model_len=self.max_model_len,
-            block_size=self.block_size)
+            block_size=self.block_size, quantization=self.quantization)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background, kept alive until done (shutdown awaits them)."""

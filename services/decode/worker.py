@@ -137,7 +137,15 @@ class DecodeWorker(EngineWorker):
 
     def check_handle(self, request: Request, handle: KVHandle) -> None:
         """Does `handle` describe this request's prompt, in a layout we can take? ValueError
-        naming the field if not."""
+        naming the field if not; ServiceError(FAILED_PRECONDITION) for KV computed under
+        another weight quantization (never mixed: other weights give other KV)."""
+        if (handle.quantization or "none") != self.quantization:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"kv_transfer_params.quantization: the prefill instance runs "
+                               f"quantization {handle.quantization or 'none'!r}, this decode "
+                               f"instance runs {self.quantization!r}; KV computed by other "
+                               "weights cannot be used (run prefill and decode with the same "
+                               "--quantization)")
         if handle.layout != self.layout:
             raise ValueError(f"kv_transfer_params: KV layout {tuple(handle.layout)} does not "
                              f"match this instance's {tuple(self.layout)}")
@@ -154,7 +162,8 @@ class DecodeWorker(EngineWorker):
             raise ValueError(f"kv_transfer_params.block_ids has {len(handle.block_ids)} blocks, "
                              f"{num_tokens} tokens need {-(-num_tokens // bs)}")
         expected = hash_request_tokens(request.token_slice(0, num_tokens), bs,
-                                       block_extra_keys(self.model_name, request.cache_salt))
+                                       block_extra_keys(self.model_name, request.cache_salt,
+                                                        self.quantization))
         if list(handle.block_hashes) != expected:
             i = next((i for i, (a, b) in enumerate(zip(handle.block_hashes, expected)) if a != b),
                      min(len(handle.block_hashes), len(expected)))

@@ -153,11 +153,12 @@ class Placer:
         return min(candidates, key=lambda c: (-c.num_cached_blocks, c.load), default=None)
 
     async def _cached_blocks(self, prompt_token_ids: Sequence[int], model_name: str,
-                             cache_salt: str | None, block_size: int) -> dict[str, int]:
+                             cache_salt: str | None, block_size: int,
+                             quantization: str = "none") -> dict[str, int]:
         if self.registry is None or len(prompt_token_ids) < block_size:
             return {}
         hashes = hash_request_tokens(prompt_token_ids, block_size,
-                                     block_extra_keys(model_name, cache_salt))
+                                     block_extra_keys(model_name, cache_salt, quantization))
         try:
             return dict(await self.registry.longest_prefix(hashes))
         except Exception as e:  # no affinity without the index, but still serve
@@ -166,11 +167,12 @@ class Placer:
 
     async def place(self, prompt_token_ids: Sequence[int], *, model_name: str,
                     block_size: int, cache_salt: str | None = None,
-                    avoid: Collection[str] = (), local_prefill: bool = False
-                    ) -> Placement | None:
+                    avoid: Collection[str] = (), local_prefill: bool = False,
+                    quantization: str = "none") -> Placement | None:
         """Pick the instances for one engine request; None when no decode instance exists
         (or none is usable). `local_prefill`: always let the decode instance prefill."""
-        cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size)
+        cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size,
+                                           quantization)
         candidates = await self._decode_candidates(cached, avoid)
         decode = self._best(candidates)
         logger.debug("placement: cached blocks %s, decode candidates %s -> %s", cached,

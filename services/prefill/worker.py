@@ -149,7 +149,7 @@ class PrefillWorker(EngineWorker):
                 pinned = True
                 handle = KVHandle(self.identity.instance_id, self.identity.address, block_ids,
                                   block_hashes, request.num_prompt_tokens, self.layout,
-                                  self.model_name)
+                                  self.model_name, self.quantization)
             self.metrics.request_finished(
                 "transferred" if finish is None else finish.value,
                 request.num_prompt_tokens, 1, first_token_time - arrival)

@@ -78,6 +78,7 @@ class EngineCore:
             self.num_gpu_blocks, cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             model_name=model_config.served_model_name,
+            quantization=model_config.quantization,
             # NOTE: only services drain take_events() (for the Redis index); an offline
             # engine would accumulate them forever.
             enable_kv_cache_events=enable_kv_cache_events)

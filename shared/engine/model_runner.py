@@ -36,8 +36,10 @@ def kv_cache_bytes_per_block(args: LlamaArgs, block_size: int, dtype: str) -> in
             * _DTYPE_BYTES[dtype])
 
 
-def determine_num_gpu_blocks(args: LlamaArgs, cache_config: CacheConfig, dtype: str) -> int:
-    """Blocks (null block included) that fit the `kv_cache_memory` budget.
+def determine_num_gpu_blocks(args: LlamaArgs, cache_config: CacheConfig, dtype: str,
+                             extra_bytes: int = 0) -> int:
+    """Blocks (null block included) that fit the `kv_cache_memory` budget plus `extra_bytes`
+    (the weight memory `--quantization` saved).
 
     Raises:
         ValueError: the budget holds fewer than 2 blocks.
@@ -45,7 +47,7 @@ def determine_num_gpu_blocks(args: LlamaArgs, cache_config: CacheConfig, dtype: 
     if cache_config.num_gpu_blocks_override is not None:
         return cache_config.num_gpu_blocks_override
     per_block = kv_cache_bytes_per_block(args, cache_config.block_size, dtype)
-    num_blocks = cache_config.kv_cache_memory // per_block
+    num_blocks = (cache_config.kv_cache_memory + extra_bytes) // per_block
     if num_blocks < 2:
         raise ValueError(f"kv_cache_memory={cache_config.kv_cache_memory} bytes holds "
                          f"{num_blocks} blocks of {per_block} bytes; need at least 2")
@@ -69,10 +71,12 @@ class ModelRunner:
         self.device = torch.device(parallel_config.device)
         self.dtype = _DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
-        self.model = load_model(model_config.model_path, model_config.dtype, parallel_config.device)
+        self.model = load_model(model_config.model_path, model_config.dtype, parallel_config.device,
+                                model_config.quantization)
         self.args = self.model.args
         self.num_gpu_blocks = determine_num_gpu_blocks(self.args, cache_config,
-                                                       model_config.dtype)
+                                                       model_config.dtype,
+                                                       self.model.weight_bytes_saved)
         shape = (self.num_gpu_blocks, self.block_size, self.args.num_kv_heads,
                  self.args.head_dim)
         self.kv_caches = [

@@ -58,12 +58,15 @@ class KVCacheManager:
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True,
-                 model_name: str = "", enable_kv_cache_events: bool = True):
+                 model_name: str = "", enable_kv_cache_events: bool = True,
+                 quantization: str = "none"):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.model_name = model_name
+        self.quantization = quantization
+        """The weights' quantization ("none" | "int8"): an extra key of first-block hashes."""
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, enable_kv_cache_events)
         self.stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -107,7 +110,8 @@ class KVCacheManager:
             bs = self.block_size
             parent = hashes[-1] if hashes else NONE_HASH
             for i in range(len(hashes), num_full):
-                extra = block_extra_keys(self.model_name, request.cache_salt) if i == 0 else ()
+                extra = (block_extra_keys(self.model_name, request.cache_salt, self.quantization)
+                         if i == 0 else ())
                 parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs),
                                            extra)
                 hashes.append(parent)

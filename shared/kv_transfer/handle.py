@@ -23,3 +23,6 @@ class KVHandle(NamedTuple):
     layout: KVLayout
     model: str
     """The served model name (an extra key of the first block's hash)."""
+    quantization: str = "none"
+    """The prefill's weight quantization ("none" | "int8"; "" from a peer that predates it):
+    a decode instance refuses KV computed under another mode."""

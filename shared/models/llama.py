@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused, cpu_linear
+from kernels import cpu_fused, cpu_int8, cpu_linear
 from shared.models.rotary import RotaryEmbedding, RotaryInputs, rope_theta_from_config
 
 
@@ -74,14 +74,32 @@ class LlamaArgs:
 
 class Linear(nn.Linear):
     """nn.Linear that can run from a oneDNN-prepacked copy of its weight
-    (`kernels.cpu_linear`; chosen once by `LlamaForCausalLM.set_packed_linear`)."""
+    (`kernels.cpu_linear`; chosen once by `LlamaForCausalLM.set_packed_linear`), or from int8
+    weights (`kernels.cpu_int8`; `LlamaForCausalLM.quantize_int8`, which drops the fp32
+    weight)."""
 
     packed: torch.Tensor | None = None
+    int8_weight: cpu_int8.Int8Weight | None = None
+    """The weight (and bias) in int8; set, `weight` is None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_weight is not None:
+            return cpu_int8.linear(x, self.int8_weight)
         if self.packed is not None:
             return cpu_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class Int8Embedding(nn.Module):
+    """nn.Embedding from int8 rows and one fp32 scale per row (`--quantization int8`)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)  # [vocab, hidden] int8
+        self.register_buffer("scale", scale)  # [vocab] float32
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return cpu_int8.embedding(input_ids, self.qweight, self.scale)
 
 
 class RMSNorm(nn.Module):
@@ -214,6 +232,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
         self.lm_head_packed: torch.Tensor | None = None
         """The LM head weight prepacked for oneDNN (`set_packed_linear`); None: F.linear."""
+        self.lm_head_int8: cpu_int8.Int8Weight | None = None
+        """The LM head in int8 (`quantize_int8`); set, it wins over the others."""
+        self.quantization = "none"
+        """"none" (the checkpoint's dtype) or "int8" (after `quantize_int8`)."""
+        self.weight_bytes_saved = 0
+        """Bytes `quantize_int8` freed (the checkpoint-dtype weights minus the int8 ones); the
+        model runner adds them to the KV pool's budget."""
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -253,6 +278,55 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         self.lm_head_packed = cpu_linear.pack_weight(head) if enabled else None
 
+    def quantize_int8(self) -> None:
+        """Replace, once after the weights are loaded, the fp32 weights of every linear layer,
+        the LM head and the embeddings by int8 ones, symmetric per output channel (row), and
+        drop the fp32 copies (`kernels.cpu_int8`: weight-only int8, fp32 activations). Norms,
+        rotary tables and biases stay fp32. A tied LM head and embedding share one int8
+        tensor.
+
+        Raises:
+            ValueError: the weights are not on the CPU.
+        """
+        if self.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("--quantization int8 runs on the CPU only (--device cpu)")
+        cpu_int8.load_kernel()  # compile once now, not in the first step
+        before = self.resident_weight_bytes()
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.int8_weight = cpu_int8.quantize_linear(module.weight, module.bias)
+                module.packed = None
+                module.weight = None
+                module.bias = None  # held by int8_weight
+        head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
+        self.lm_head_int8 = cpu_int8.quantize_linear(head)
+        self.lm_head_packed = None
+        qweight, scale = self.lm_head_int8.qweight, self.lm_head_int8.scale
+        if self.lm_head_weight is not None:
+            self.lm_head_weight = None
+            qweight, scale = cpu_int8.quantize_weight(self.embed_tokens.weight)
+        self.embed_tokens = Int8Embedding(qweight, scale)
+        self.quantization = "int8"
+        self.weight_bytes_saved = max(0, before - self.resident_weight_bytes())
+
+    def resident_weight_bytes(self) -> int:
+        """Bytes of weights this model holds: parameters and buffers (rotary tables included)
+        plus the oneDNN-prepacked fp32 copies and the int8 weights; a tensor shared by two
+        owners (a tied int8 LM head and embedding) counts once."""
+        tensors = [*self.parameters(), *self.buffers()]
+        for module in self.modules():
+            if isinstance(module, Linear):
+                tensors += [module.packed, *(module.int8_weight or ())]
+        tensors += [self.lm_head_packed, *(self.lm_head_int8 or ())]
+        seen: set[int] = set()
+        total = 0
+        for t in tensors:
+            key = None if t is None else (t.data_ptr() if t.layout == torch.strided else id(t))
+            if key is not None and key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return total
+
     def set_fused_cpu_ops(self, enabled: bool) -> None:
         """Choose, once after the weights are loaded, between the fused CPU ops and the torch
         ops for every norm, MLP and the rotary embedding. Enabled needs fp32 weights on CPU
@@ -270,6 +344,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden_size] -> [num_rows, vocab_size] float32 logits."""
         hidden = self.norm(hidden)
+        if self.lm_head_int8 is not None:
+            return cpu_int8.linear(hidden, self.lm_head_int8)
         if self.lm_head_packed is not None:
             return cpu_linear.linear(hidden, self.lm_head_packed).float()
         weight = (self.embed_tokens.weight if self.lm_head_weight is None

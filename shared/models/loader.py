@@ -34,14 +34,23 @@ def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_model(model_path: str | Path, dtype: str = "float32",
-               device: str = "cpu") -> LlamaForCausalLM:
+def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cpu",
+               quantization: str = "none") -> LlamaForCausalLM:
     """Build the model from `config.json` and fill it from the safetensors files.
+
+    `quantization="int8"` quantizes the linear layers, LM head and embeddings at load
+    (`LlamaForCausalLM.quantize_int8`); it needs dtype float32 on the CPU.
 
     Raises:
         FileNotFoundError: no config or no weights.
-        ValueError: unsupported architecture, or a checkpoint missing a weight.
+        ValueError: unsupported architecture, a checkpoint missing a weight, or a
+            quantization this build cannot run.
     """
+    if quantization not in ("none", "int8"):
+        raise ValueError(f"quantization must be 'none' or 'int8', got {quantization!r}")
+    if quantization == "int8" and (dtype != "float32" or device != "cpu"):
+        raise ValueError(f"quantization='int8' runs fp32 activations on the CPU; got "
+                         f"dtype={dtype!r} device={device!r}")
     model_path = Path(model_path)
     args = LlamaArgs.from_hf_config(read_hf_config(model_path))
     ckpt = _read_checkpoint(model_path)
@@ -82,5 +91,8 @@ def load_model(model_path: str | Path, dtype: str = "float32",
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary.to(device, torch_dtype)
     model.set_fused_cpu_ops(cpu_fused.is_enabled())
-    model.set_packed_linear(cpu_linear.is_enabled())
+    if quantization == "int8":
+        model.quantize_int8()
+    else:
+        model.set_packed_linear(cpu_linear.is_enabled())
     return model.eval()

@@ -72,7 +72,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("prefill_instance_id", "prefill_address", "block_ids", "block_hashes", "num_tokens", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "model")
+    __slots__ = ("prefill_instance_id", "prefill_address", "block_ids", "block_hashes", "num_tokens", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "model", "quantization")
     PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class KVTransferParams(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     prefill_instance_id: str
     prefill_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,8 @@ class KVTransferParams(_message.Message):
     num_kv_heads: int
     head_dim: int
     model: str
-    def __init__(self, prefill_instance_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    quantization: str
+    def __init__(self, prefill_instance_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt")
@@ -216,7 +218,7 @@ class GetStateRequest(_message.Message):
     def __init__(self, check_invariants: _Optional[bool] = ...) -> None: ...
 
 class EngineState(_message.Message):
-    __slots__ = ("instance_id", "role", "model", "num_gpu_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks", "num_pinned_blocks", "num_running", "num_waiting", "invariants_ok", "invariants_error", "max_model_len", "block_size")
+    __slots__ = ("instance_id", "role", "model", "num_gpu_blocks", "num_free_blocks", "num_cached_blocks", "num_used_blocks", "num_pinned_blocks", "num_running", "num_waiting", "invariants_ok", "invariants_error", "max_model_len", "block_size", "quantization")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +233,7 @@ class EngineState(_message.Message):
     INVARIANTS_ERROR_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     model: str
@@ -245,4 +248,5 @@ class EngineState(_message.Message):
     invariants_error: str
     max_model_len: int
     block_size: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., invariants_ok: _Optional[bool] = ..., invariants_error: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    quantization: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., invariants_ok: _Optional[bool] = ..., invariants_error: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
