@@ -75,11 +75,28 @@ class ShutdownNotice:
         raise ServerShutdown()
 
     async def until_cut(self, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
-        """`items` until they end, or ServerShutdown when the grace period ends first."""
+        """`items` until they end, or ServerShutdown when the grace period ends first.
+
+        One waiter on the cut for the whole stream, one task per item (its next).
+        """
         it = aiter(items)
-        while True:
-            try:
-                item = await self.race(anext(it))
-            except StopAsyncIteration:
-                return
-            yield item  # type: ignore[misc]
+        cut = asyncio.ensure_future(self.wait())
+        try:
+            while True:
+                task = asyncio.ensure_future(anext(it))
+                try:
+                    await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
+                except BaseException:
+                    task.cancel()
+                    raise
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise ServerShutdown()
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            cut.cancel()

@@ -170,3 +170,33 @@ async def test_openai_client_streams(gateway):
                                                    max_tokens=5, temperature=0, stream=True)
     pieces = [c.choices[0].text async for c in comp]
     assert "".join(pieces) == text[:len("".join(pieces))]
+
+
+async def test_the_end_of_the_grace_period_cuts_what_still_runs(make_gateway, cluster):
+    """Shutdown: what still runs when the grace period ends is told so. A stream gets an
+    error event (type server_shutdown) and [DONE] after the tokens it had; a non-streamed
+    request a 503 with that error; both engine requests are cancelled."""
+    from tests.services.gateway.helpers import parse_sse
+
+    gw = await make_gateway()
+    cluster.decodes[0].rec.delay = 0.05
+    body = chat_body("Tell a long story.", max_tokens=500, ignore_eos=True)
+    streamed = asyncio.ensure_future(gw.http.post(CHAT, json={**body, "stream": True}))
+    plain = asyncio.ensure_future(gw.http.post(CHAT, json=body))
+    while len(cluster.decodes[0].rec.active) < 2:
+        await asyncio.sleep(0.02)
+    gw.app.state.gateway.shutdown.begin(0.3)
+    r = await streamed
+    events = parse_sse(r.text)
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert (error["type"], error["code"]) == ("server_shutdown", 503), error
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in events[:-2])
+    err = assert_error_object(await plain, 503)
+    assert err["type"] == "server_shutdown"
+    for _ in range(100):
+        if not cluster.decodes[0].rec.active:
+            break
+        await asyncio.sleep(0.02)
+    assert not cluster.decodes[0].rec.active
+    assert len(cluster.decodes[0].rec.cancelled) == 2
