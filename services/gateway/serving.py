@@ -389,6 +389,8 @@ async def run_until_disconnect(receive, awaitable: Awaitable[_T]) -> _T:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work.cancel()
+        # NOTE: wait for it: the caller may close the generators `work` is iterating next.
+        await asyncio.gather(work, return_exceptions=True)
         raise
     finally:
         watcher.cancel()
