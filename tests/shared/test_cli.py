@@ -62,3 +62,14 @@ def test_vllm_style_command_lines_parse():
         assert parser.parse_args(args).log_level == "DEBUG"
     args, _ = normalize_argv(["serve", "gateway", "--port", "1"])
     assert parser.parse_args(args).serve_role == "gateway"
+
+
+def test_seed_reaches_the_sampler(model_path):
+    """--seed (vLLM's server seed) seeds the sampler's generator of unseeded requests."""
+    from shared.cli import build_parser
+    from shared.engine_args import EngineArgs
+
+    ns = build_parser().parse_args(["serve", "decode", "--model", model_path, "--seed", "1234"])
+    args = EngineArgs.from_cli_args(ns)
+    assert args.seed == 1234 and args.create_engine_configs()[0].seed == 1234
+    assert EngineArgs(model=model_path).create_engine_configs()[0].seed is None
