@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -75,7 +75,7 @@ class GatewayConfig:
     # ---- vLLM OpenAI-server compatibility (README "Gateway flags")
     tokenizer: str | None = None
     """Local directory of the tokenizer (and chat template); None: `model_path`'s."""
-    chat_template: str | None = None
+    chat_template: str | None = field(default=None, repr=False)
     """A Jinja chat template (the text, read from --chat-template's file); None: the
     tokenizer's own."""
     allowed_origins: tuple[str, ...] = ("*",)
