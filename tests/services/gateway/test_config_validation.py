@@ -76,3 +76,23 @@ def test_cli_process_has_no_traceback(model_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: --max-request-retries must be >= 0, got -3"]
+
+
+def test_vllm_compat_flags(model_path, tmp_path):
+    """vLLM's spellings: CORS lists as JSON (or comma lists), --chat-template a file or the
+    template itself, --tokenizer a directory; a template path that names no file is refused."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    c = _config(model_path, "--allowed-origins", '["https://a.example", "https://b.example"]',
+                "--allowed-methods", "GET,POST", "--allow-credentials", "--chat-template",
+                str(template), "--tokenizer", model_path, "--protect-metrics",
+                "--metrics-compat", "vllm")
+    assert c.allowed_origins == ("https://a.example", "https://b.example")
+    assert (c.allowed_methods, c.allowed_headers) == (("GET", "POST"), ("*",))
+    assert c.allow_credentials and c.protect_metrics and c.metrics_compat == "vllm"
+    assert c.chat_template == "{{ messages[0]['content'] }}" and c.tokenizer == model_path
+    assert _config(model_path, "--chat-template", "{{ 1 }}").chat_template == "{{ 1 }}"
+    d = _config(model_path)
+    assert (d.allowed_origins, d.chat_template, d.protect_metrics) == (("*",), None, False)
+    with pytest.raises(FileNotFoundError, match="--chat-template"):
+        _config(model_path, "--chat-template", str(tmp_path / "missing.jinja"))
