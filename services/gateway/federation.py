@@ -141,7 +141,8 @@ class MetricsFederation:
 
     async def _scrape(self, info) -> list[Metric]:
         if self._http is None:
-            self._http = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT)
+            # NOTE: trust_env=False: internal addresses never go through an HTTP(S)_PROXY.
+            self._http = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT, trust_env=False)
         try:
             r = await self._http.get(f"http://{info.metrics_address}/metrics")
             r.raise_for_status()
