@@ -112,10 +112,15 @@ def pinned_engines(exclude: Sequence[int] = ()) -> list[PinnedEngine]:
     of two `pdserve up` on one host then divide the cores through the host's core board.
     Linux only (reads /proc); elsewhere: [].
     """
+    machine = set(range(os.cpu_count() or 1))
+    return [e for e in engine_processes(exclude) if set(e.cores) < machine]
+
+
+def engine_processes(exclude: Sequence[int] = ()) -> list[PinnedEngine]:
+    """Every pdserve engine process on this machine (but `exclude`) with its affinity."""
     proc = "/proc"
     if not hasattr(os, "sched_getaffinity") or not os.path.isdir(proc):
         return []
-    machine = set(range(os.cpu_count() or 1))
     out = []
     for name in os.listdir(proc):
         if not name.isdigit() or int(name) in exclude:
@@ -129,7 +134,7 @@ def pinned_engines(exclude: Sequence[int] = ()) -> list[PinnedEngine]:
             cores = set(os.sched_getaffinity(int(name)))
         except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
             continue
-        if cores and cores < machine:
+        if cores:
             out.append(PinnedEngine(int(name), role, tuple(sorted(cores))))
     return out
 

@@ -24,7 +24,12 @@ import threading
 import time
 
 from services.launcher.config import UpConfig, config_from_args
-from services.launcher.cores import available_cores, avoid_pinned, format_cores, pinned_engines
+from services.launcher.cores import (
+    available_cores,
+    avoid_pinned,
+    engine_processes,
+    format_cores,
+)
 from services.launcher.health import Prober
 from services.launcher.plan import ChildSpec, Plan, build_plan, child_env
 from services.launcher.prereqs import (
@@ -236,8 +241,14 @@ def _claim_cores(config: UpConfig, say) -> UpConfig:
     given (one line says whose they are); otherwise the launcher takes the cores nobody
     pinned, and refuses (SetupError, one line) when none are left.
     """
-    others = pinned_engines(exclude=(os.getpid(),))
+    engines = engine_processes(exclude=(os.getpid(),))
+    machine = set(range(os.cpu_count() or 1))
+    others = [e for e in engines if set(e.cores) < machine]
     if not others:
+        if engines and config.cpu_share:
+            say(f"{len(engines)} engines of another pdserve run on every core here (pids "
+                f"{', '.join(str(e.pid) for e in engines)}); the core board shares the cores "
+                "between them and these")
         return config
     explicit = [c for cores in (config.cpu_cores, config.prefill_cpu_cores,
                                 config.decode_cpu_cores) for c in cores or ()]
