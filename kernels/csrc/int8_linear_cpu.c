@@ -24,40 +24,38 @@ static inline __m512 load_w16(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* One tile: MB x rows (mb of them valid, mb <= 4) times 4 weight rows. */
-static inline void tile_4n(const float *x, int64_t x_stride, int mb, const int8_t *q,
-                           int64_t K, float out[4][4]) {
+/* One tile: mb x rows (mb <= 4) times 4 weight rows, widened in registers. Always inlined
+ * and called with a constant mb, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_4n_mb(
+        const float *x, int64_t x_stride, const int mb, const int8_t *q, int64_t K,
+        float out[4][4]) {
     __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < mb; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
     const int8_t *q0 = q, *q1 = q + K, *q2 = q + 2 * K, *q3 = q + 3 * K;
-    if (mb == 4) {
-        for (int64_t k = 0; k < K; k += 16) {
-            __m512 w0 = load_w16(q0 + k), w1 = load_w16(q1 + k);
-            __m512 w2 = load_w16(q2 + k), w3 = load_w16(q3 + k);
-            for (int i = 0; i < 4; i++) {
-                __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
-                acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-                acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
-                acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
-            }
-        }
-    } else {
-        for (int64_t k = 0; k < K; k += 16) {
-            __m512 w0 = load_w16(q0 + k), w1 = load_w16(q1 + k);
-            __m512 w2 = load_w16(q2 + k), w3 = load_w16(q3 + k);
-            for (int i = 0; i < mb; i++) {
-                __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
-                acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-                acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-                acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
-                acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
-            }
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 w0 = load_w16(q0 + k), w1 = load_w16(q1 + k);
+        __m512 w2 = load_w16(q2 + k), w3 = load_w16(q3 + k);
+        for (int i = 0; i < mb; i++) {
+            __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
+            acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
         }
     }
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < 4; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static inline void tile_4n(const float *x, int64_t x_stride, int mb, const int8_t *q,
+                           int64_t K, float out[4][4]) {
+    switch (mb) {
+        case 1: tile_4n_mb(x, x_stride, 1, q, K, out); break;
+        case 2: tile_4n_mb(x, x_stride, 2, q, K, out); break;
+        case 3: tile_4n_mb(x, x_stride, 3, q, K, out); break;
+        default: tile_4n_mb(x, x_stride, 4, q, K, out); break;
+    }
 }
 
 /* The same tile from 4 weight rows already widened to fp32 (w [4, K], row stride K). */
