@@ -279,6 +279,45 @@ def _pids_listening_on(ports: list[int]) -> list[int]:
     return pids
 
 
+def _descendants(root: int) -> list[int]:
+    """Every live descendant of `root` (by /proc/PID/task/*/children)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in kids:
+                out.append(int(k))
+                todo.append(int(k))
+    return out
+
+
+def process_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each process under `root`, by its name in the stack
+    (prefill / decode / gateway / redis / launcher), summed over processes of one name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in [root, *_descendants(root)]:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        args = [a.decode(errors="replace") for a in argv]
+        name = "launcher" if pid == root else "other"
+        if "serve" in args[:-1]:
+            name = args[args.index("serve") + 1]
+        if any(a.endswith("redis-server") or a.startswith("redis-server") for a in args):
+            name = "redis"
+        out[name] = round(out.get(name, 0.0) + cpu, 2)
+    return out
+
+
 def scrape(url: str) -> dict[str, float]:
     """Prometheus samples as {"name{label=value,...}": value}, model_name dropped."""
     import httpx
@@ -436,7 +475,16 @@ def part_stack(args, label: str, flags: list[str], gpt: float) -> dict:
             "temperature": 0})
         r.raise_for_status()
         before = scrape_all(stack)
+        import resource
+
+        cpu_before = process_cpu_seconds(stack.proc.pid)
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        lg_before = ru.ru_utime + ru.ru_stime
         load = run_loadgen(args, stack)
+        cpu_after = process_cpu_seconds(stack.proc.pid)
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_after["loadgen (client)"] = ru.ru_utime + ru.ru_stime - lg_before
+        cpu_used = {k: round(v - cpu_before.get(k, 0.0), 2) for k, v in cpu_after.items()}
         time.sleep(1.5)  # the engines publish their polled gauges every interval
         after = scrape_all(stack)
         n = load.get("n_requests", 0)
@@ -444,6 +492,7 @@ def part_stack(args, label: str, flags: list[str], gpt: float) -> dict:
         out = {"up_flags": shlex.join(flags), "log": str(stack.logfile),
                "gateway_local_prefill_threshold": int(m[1]) if m else None,
                "engines": stack.engines, "loadgen": load,
+               "cpu_seconds": cpu_used,
                "split": split_counters(before, after, n), "engine_state_after":
                engine_states(stack)}
         tokens = (load.get("total_prompt_tokens") or 0) + load.get("total_output_tokens", 0)
@@ -527,6 +576,9 @@ def table(summary: dict) -> str:
                       f"{x['decode_requests_prefilled_locally']} locally (gateway "
                       f"--local-prefill-threshold {s.get('gateway_local_prefill_threshold')}"
                       f"); split is real: {x['split_is_real']}"]
+        if s and s.get("cpu_seconds"):
+            lines += [f"{name} CPU seconds over the workload: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(s["cpu_seconds"].items()))]
     ratios = summary.get("ratios", {})
     if ratios:
         lines += ["", "ratios: " + ", ".join(f"{k} {v}" for k, v in ratios.items())]
