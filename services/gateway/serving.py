@@ -110,11 +110,9 @@ class ServingEngine:
                                        return_exceptions=True)
         states = []
         for (role, address), reply in zip(targets, replies):
-            if isinstance(reply, grpc.aio.AioRpcError):
-                # UNAVAILABLE: still loading (every normal start) or gone; not worth a warning.
-                log = logger.debug if reply.code() == grpc.StatusCode.UNAVAILABLE \
-                    else logger.warning
-                log("GetState on %s %s failed: %s", role, address, reply.code().name)
+            if isinstance(reply, grpc.aio.AioRpcError):  # UNAVAILABLE: loading (every start)
+                (logger.debug if reply.code() == grpc.StatusCode.UNAVAILABLE else logger.warning)(
+                    "GetState on %s %s failed: %s", role, address, reply.code().name)
             elif isinstance(reply, BaseException):
                 raise reply
             else:
@@ -388,8 +386,7 @@ async def run_until_disconnect(receive, awaitable: Awaitable[_T]) -> _T:
     try:
         await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        work.cancel()
-        # NOTE: wait for it: the caller may close the generators `work` is iterating next.
+        work.cancel()  # and wait: the caller may close the generators `work` iterates
         await asyncio.gather(work, return_exceptions=True)
         raise
     finally:
