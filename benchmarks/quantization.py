@@ -114,13 +114,13 @@ def kernels(threads: int) -> dict:
     weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(30) for n, k in LAYER_SHAPES]
     packed = [cpu_linear.pack_weight(w) for w in weights]
     w8 = [cpu_int8.quantize_linear(w) for w in weights]
+    rows = [cpu_int8.quantize_weight(w) for w in weights]  # [N, K] int8, scale [N]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.backends.quantized.engine = "fbgemm"
         fbgemm = [torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(
-            q.qweight, q.scale.double(), torch.zeros(len(q.scale), dtype=torch.long), 0), None)
-            for q in w8]
-    bf16 = [(q.qweight, q.scale.to(torch.bfloat16)) for q in w8]
+            q, s.double(), torch.zeros(len(s), dtype=torch.long), 0), None) for q, s in rows]
+    bf16 = [(q, s.to(torch.bfloat16)) for q, s in rows]
     del weights
 
     def timed(fn) -> float:

@@ -1,16 +1,19 @@
 """int8 linear layers and embeddings on CPU (`--quantization int8`): weights quantized once at
 load time, symmetric per output channel; activations stay fp32 (weight-only int8).
 
-    w8 = quantize_linear(weight, bias)             # Int8Weight: int8 [N, K], fp32 scale [N]
+    w8 = quantize_linear(weight, bias)             # Int8Weight (panels of 32 channels)
     y = linear(x, w8)                              # x [M, K] fp32 -> [M, N] fp32
-    e = embedding(ids, w8.qweight, w8.scale)       # rows of the dequantized weight
+    e = embedding(ids, w8)                         # rows of the dequantized weight
 
-Weights: w[n, :] ~= scale[n] * qweight[n, :], scale[n] = max|w[n, :]| / 127, qweight in
-[-127, 127]. The matmul is `csrc/int8_linear_cpu.c` (C + OpenMP, AVX-512 FMAs over int8
-weights widened in registers; compiled at first use through `kernels/cpu_build.py`): it reads
-a quarter of the fp32 bytes, which is what a decode step of a few streams is bound by. A row's
-result does not depend on the other rows of the batch. Without a C compiler, `linear`
-dequantizes and calls F.linear (correct, slow).
+Weights: w[n, :] ~= scale[n] * q[n, :], scale[n] = max|w[n, :]| / 127, q in [-127, 127],
+stored as K-major panels of 32 output channels (`Int8Weight.qpacked`). The matmul is
+`csrc/int8_linear_cpu.c` (C + OpenMP, AVX-512 FMAs over int8 weights widened to fp32;
+compiled at first use through `kernels/cpu_build.py`): with up to 4 rows it reads the weights
+as int8 only, a quarter of the fp32 bytes, which is what a decode step of a few streams is
+bound by; with more rows each panel is widened once into a per-thread fp32 buffer and run as
+a 12-row x 32-column register-blocked GEMM. Every output is the same fp32 FMA chain over k
+whatever the batch, so a row's result does not depend on the other rows. Without a C compiler
+`linear` dequantizes and calls F.linear (correct, slow).
 
 Why weight-only (measured on this project's 2-core AVX-512 machine, docs/benchmarks.md
 "int8"): PyTorch's fbgemm dynamic-quantized linear (`quantized::linear_dynamic`, per-channel
@@ -43,23 +46,30 @@ FLAG_SETS = (
     (("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),
     (("-O3", "-fopenmp"), ("-fopenmp",)),
 )
-K_MULTIPLE = 16
-"""The C kernel walks K in steps of 16 floats."""
+PANEL = 32
+"""Output channels per K-major weight panel (the C kernel's tile width)."""
 
 
 class Int8Weight(NamedTuple):
-    """A linear layer's weight in int8 (symmetric per output channel)."""
+    """A linear layer's weight in int8 (symmetric per output channel), packed for the kernel.
 
-    qweight: torch.Tensor
-    """[N, K] int8 in [-127, 127], contiguous."""
+        qpacked[p, k, c] = q[32 * p + c, k]      (rows past N are zeros)
+    """
+
+    qpacked: torch.Tensor
+    """[ceil(N / 32), K, 32] int8 in [-127, 127], contiguous."""
     scale: torch.Tensor
-    """[N] float32: w[n, :] ~= scale[n] * qweight[n, :]."""
-    bias: torch.Tensor | None
-    """[N] float32 or None."""
+    """[32 * ceil(N / 32)] float32: w[n, :] ~= scale[n] * q[n, :] (1 past N)."""
+    bias: torch.Tensor
+    """[32 * ceil(N / 32)] float32 (zeros for a layer without bias)."""
+    out_features: int
+    """N."""
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self if t is not None)
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: scale * q."""
+        num_panels, k, _ = self.qpacked.shape
+        q = self.qpacked.transpose(1, 2).reshape(num_panels * PANEL, k)[:self.out_features]
+        return q.float() * self.scale[:self.out_features, None]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,8 +94,17 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
         raise ValueError(f"quantize_linear needs a 2-D CPU weight, got {tuple(weight.shape)} "
                          f"on {weight.device}")
     qweight, scale = quantize_weight(weight)
-    b = None if bias is None else bias.detach().float().contiguous()
-    return Int8Weight(qweight, scale, b)
+    n, k = qweight.shape
+    n_pad = -(-n // PANEL) * PANEL
+    padded = torch.zeros(n_pad, k, dtype=torch.int8)
+    padded[:n] = qweight
+    qpacked = padded.view(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    scale_pad = torch.ones(n_pad)
+    scale_pad[:n] = scale
+    bias_pad = torch.zeros(n_pad)
+    if bias is not None:
+        bias_pad[:n] = bias.detach().float()
+    return Int8Weight(qpacked, scale_pad, bias_pad, n)
 
 
 @functools.cache
@@ -110,25 +129,24 @@ def load_kernel():
 
 
 def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """x [M, K] float32 CPU -> x @ (scale * qweight).T + bias, [M, N] float32."""
+    """x [M, K] float32 CPU -> x @ (scale * q).T + bias, [M, N] float32."""
     num_rows, k = x.shape
-    n = w.qweight.shape[0]
-    kernel = load_kernel() if k % K_MULTIPLE == 0 and x.dtype == torch.float32 else None
+    n = w.out_features
+    kernel = load_kernel() if x.dtype == torch.float32 else None
     if kernel is not None:
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty(num_rows, n, dtype=torch.float32)
         if num_rows == 0:
             return out
-        rc = kernel(x.data_ptr(), x.stride(0), w.qweight.data_ptr(), w.scale.data_ptr(),
-                    None if w.bias is None else w.bias.data_ptr(), out.data_ptr(),
-                    num_rows, n, k, torch.get_num_threads())
+        rc = kernel(x.data_ptr(), x.stride(0), w.qpacked.data_ptr(), w.scale.data_ptr(),
+                    w.bias.data_ptr(), out.data_ptr(), num_rows, n, k, torch.get_num_threads())
         if rc == 0:
             return out
-    return F.linear(x.float(), w.qweight.float() * w.scale[:, None], w.bias)
+    return F.linear(x.float(), w.dequantize(), w.bias[:n])
 
 
-def embedding(input_ids: torch.Tensor, qweight: torch.Tensor,
-              scale: torch.Tensor) -> torch.Tensor:
-    """input_ids [T] int64 -> [T, H] float32: the rows of scale * qweight."""
-    return qweight[input_ids].float().mul_(scale[input_ids, None])
+def embedding(input_ids: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    """input_ids [T] int64 -> [T, K] float32: the rows of scale * q (gathered from panels)."""
+    q = w.qpacked[input_ids // PANEL, :, input_ids % PANEL]  # [T, K]
+    return q.float().mul_(w.scale[input_ids, None])

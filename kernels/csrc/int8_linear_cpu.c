@@ -1,142 +1,145 @@
-/* Weight-only int8 linear on CPU: y[M, N] = (x[M, K] . dequant(q)[N, K]^T) + bias[N], where
+/* Weight-only int8 linear on CPU: y[M, N] = (x[M, K] . dequant(q)^T) + bias[N], where
  * dequant(q)[n, k] = scale[n] * q[n, k] (symmetric per output channel). Activations stay fp32.
  *
- * Tiling: each OpenMP thread takes blocks of NB = 4 weight rows; for every block of MB = 4 x
- * rows it keeps MB x NB fp32 accumulators of 16 lanes (AVX-512) and walks K 16 at a time:
- * 4 weight vectors (widened int8 -> int32 -> fp32) are used by 4 x rows (16 FMAs). With more
- * than 4 x rows the block's 4 weight rows are widened once into a per-thread fp32 buffer
- * (4 x K floats, L1/L2-resident) that every group of 4 x rows then reads; with at most 4 (the
- * decode of a few streams) they are widened in registers on the fly, so the weights are read
- * from memory as int8 only. The scale is applied once per output (after the sum over K), so
- * the result is an fp32 dot product with the int8 values, in 16-lane order, times the scale;
- * it does not depend on the other rows of the batch.
+ * Weight layout (packed once at load, `kernels/cpu_int8.py`): panels of 32 output channels,
+ * each K-major, so one k step reads the 32 int8 weights of that input feature contiguously:
  *
- * Without AVX-512 the same loop runs on plain C (gcc vectorizes it for AVX2 at -O3).
- * Requires: K % 16 == 0, x rows contiguous (row stride x_stride), q [N, K] contiguous.
+ *     qpacked[p][k][c] = q[32 * p + c][k]     p < N_pad / 32 (N padded with zero rows)
+ *
+ * Every output is one fp32 FMA chain over k in order 0..K-1 (x[m, k] broadcast times the
+ * widened weight), then times scale[n] plus bias[n]: the same operations whatever the number
+ * of rows, so a row's result never depends on the rest of the batch.
+ *
+ * Tiling: OpenMP threads take panels. With at most 4 rows, each k step widens the panel's 32
+ * int8 weights in registers (int8 -> int32 -> fp32) and feeds every row: the weights are read
+ * from memory as int8 only (decode of a few streams is bound by that read). With more rows
+ * the panel is widened once into a per-thread fp32 buffer [K][32] (<= 4 * 32 * K bytes, L2)
+ * that blocks of 12 rows then read, 24 accumulators, the x value broadcast from memory:
+ * the inner loop is 2 loads + 24 FMAs per k.
  */
 #include <stdint.h>
 #include <stdlib.h>
 
+#define PANEL 32
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-static inline __m512 load_w16(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+static inline __attribute__((always_inline)) void widen32(const int8_t *p, __m512 *lo,
+                                                           __m512 *hi) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v)));
+    *hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1)));
 }
 
-/* One tile: mb x rows (mb <= 4) times 4 weight rows, widened in registers. Always inlined
- * and called with a constant mb, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void tile_4n_mb(
-        const float *x, int64_t x_stride, const int mb, const int8_t *q, int64_t K,
-        float out[4][4]) {
-    __m512 acc[4][4];
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    const int8_t *q0 = q, *q1 = q + K, *q2 = q + 2 * K, *q3 = q + 3 * K;
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 w0 = load_w16(q0 + k), w1 = load_w16(q1 + k);
-        __m512 w2 = load_w16(q2 + k), w3 = load_w16(q3 + k);
+static inline __attribute__((always_inline)) void store_rows(
+        __m512 acc[][2], const int mb, float *y, int64_t N, int64_t n0, int64_t n_valid,
+        const float *s, const float *b) {
+    __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+    __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+    __mmask16 k0 = n_valid >= 16 ? 0xFFFF : (__mmask16)((1u << n_valid) - 1);
+    __mmask16 k1 = n_valid >= 32 ? 0xFFFF
+                   : (n_valid <= 16 ? 0 : (__mmask16)((1u << (n_valid - 16)) - 1));
+    for (int i = 0; i < mb; i++) {
+        float *row = y + i * N + n0;
+        _mm512_mask_storeu_ps(row, k0, _mm512_fmadd_ps(acc[i][0], s0, b0));
+        _mm512_mask_storeu_ps(row + 16, k1, _mm512_fmadd_ps(acc[i][1], s1, b1));
+    }
+}
+
+/* mb (<= 4) rows against one int8 panel, widened in registers. */
+static inline __attribute__((always_inline)) void panel_int8(
+        const float *x, int64_t x_stride, const int mb, const int8_t *qp, int64_t K,
+        __m512 acc[][2]) {
+    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w0, w1;
+        widen32(qp + k * PANEL, &w0, &w1);
         for (int i = 0; i < mb; i++) {
-            __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
+            __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);
             acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(xv, w2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(xv, w3, acc[i][3]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < 4; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-static inline void tile_4n(const float *x, int64_t x_stride, int mb, const int8_t *q,
-                           int64_t K, float out[4][4]) {
-    switch (mb) {
-        case 1: tile_4n_mb(x, x_stride, 1, q, K, out); break;
-        case 2: tile_4n_mb(x, x_stride, 2, q, K, out); break;
-        case 3: tile_4n_mb(x, x_stride, 3, q, K, out); break;
-        default: tile_4n_mb(x, x_stride, 4, q, K, out); break;
-    }
-}
-
-/* The same tile from 4 weight rows already widened to fp32 (w [4, K], row stride K). */
-static inline void tile_4n_f32(const float *x, int64_t x_stride, int mb, const float *w,
-                               int64_t K, float out[4][4]) {
-    __m512 acc[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    const float *w0 = w, *w1 = w + K, *w2 = w + 2 * K, *w3 = w + 3 * K;
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k);
-        __m512 v2 = _mm512_loadu_ps(w2 + k), v3 = _mm512_loadu_ps(w3 + k);
+/* mb (<= 12) rows against one panel already widened to fp32 (w [K][32]). */
+static inline __attribute__((always_inline)) void panel_f32(
+        const float *x, int64_t x_stride, const int mb, const float *w, int64_t K,
+        __m512 acc[][2]) {
+    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w0 = _mm512_loadu_ps(w + k * PANEL), w1 = _mm512_loadu_ps(w + k * PANEL + 16);
         for (int i = 0; i < mb; i++) {
-            __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
-            acc[i][0] = _mm512_fmadd_ps(xv, v0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(xv, v1, acc[i][1]);
-            acc[i][2] = _mm512_fmadd_ps(xv, v2, acc[i][2]);
-            acc[i][3] = _mm512_fmadd_ps(xv, v3, acc[i][3]);
+            __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);
+            acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < 4; j++) out[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-static inline float dot_1n(const float *x, const int8_t *q, int64_t K) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), load_w16(q + k), acc);
-    return _mm512_reduce_add_ps(acc);
+#define RUN_INT8(MB)                                                              \
+    do {                                                                          \
+        __m512 acc[MB][2];                                                        \
+        panel_int8(x + m0 * x_stride, x_stride, MB, qp, K, acc);                  \
+        store_rows(acc, MB, y + m0 * N, N, n0, n_valid, s, b);                    \
+    } while (0)
+#define RUN_F32(MB)                                                               \
+    do {                                                                          \
+        __m512 acc[MB][2];                                                        \
+        panel_f32(x + m0 * x_stride, x_stride, MB, wbuf, K, acc);                 \
+        store_rows(acc, MB, y + m0 * N, N, n0, n_valid, s, b);                    \
+    } while (0)
+
+static void run_panel(const float *x, int64_t x_stride, int64_t M, const int8_t *qp,
+                      const float *s, const float *b, float *y, int64_t N, int64_t n0,
+                      int64_t n_valid, int64_t K, float *wbuf) {
+    int64_t m0 = 0;
+    if (wbuf == NULL) {
+        for (; m0 + 4 <= M; m0 += 4) RUN_INT8(4);
+        switch (M - m0) {
+            case 3: RUN_INT8(3); break;
+            case 2: RUN_INT8(2); break;
+            case 1: RUN_INT8(1); break;
+            default: break;
+        }
+        return;
+    }
+    for (int64_t i = 0; i < K * PANEL; i += 16)
+        _mm512_storeu_ps(wbuf + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(qp + i)))));
+    for (; m0 + 12 <= M; m0 += 12) RUN_F32(12);
+    for (; m0 + 4 <= M; m0 += 4) RUN_F32(4);
+    for (; m0 < M; m0++) RUN_F32(1);
 }
 #else
-static inline void tile_4n(const float *x, int64_t x_stride, int mb, const int8_t *q,
-                           int64_t K, float out[4][4]) {
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < 4; j++) {
-            float lanes[16] = {0};
-            const float *xr = x + i * x_stride;
-            const int8_t *qr = q + j * K;
-            for (int64_t k = 0; k < K; k += 16)
-                for (int l = 0; l < 16; l++) lanes[l] += xr[k + l] * (float)qr[k + l];
-            float s = 0.f;
-            for (int l = 0; l < 16; l++) s += lanes[l];
-            out[i][j] = s;
+/* Portable: the same per-output FMA chain order (k ascending), one output at a time. */
+static void run_panel(const float *x, int64_t x_stride, int64_t M, const int8_t *qp,
+                      const float *s, const float *b, float *y, int64_t N, int64_t n0,
+                      int64_t n_valid, int64_t K, float *wbuf) {
+    (void)wbuf;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < n_valid; c++) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k++)
+                acc = __builtin_fmaf(x[m * x_stride + k], (float)qp[k * PANEL + c], acc);
+            y[m * N + n0 + c] = __builtin_fmaf(acc, s[c], b[c]);
         }
-}
-
-static inline void tile_4n_f32(const float *x, int64_t x_stride, int mb, const float *w,
-                               int64_t K, float out[4][4]) {
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < 4; j++) {
-            float lanes[16] = {0};
-            const float *xr = x + i * x_stride, *wr = w + j * K;
-            for (int64_t k = 0; k < K; k += 16)
-                for (int l = 0; l < 16; l++) lanes[l] += xr[k + l] * wr[k + l];
-            float s = 0.f;
-            for (int l = 0; l < 16; l++) s += lanes[l];
-            out[i][j] = s;
-        }
-}
-
-static inline float dot_1n(const float *x, const int8_t *q, int64_t K) {
-    float lanes[16] = {0};
-    for (int64_t k = 0; k < K; k += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += x[k + l] * (float)q[k + l];
-    float s = 0.f;
-    for (int l = 0; l < 16; l++) s += lanes[l];
-    return s;
 }
 #endif
 
-/* y [M, N] (row stride N) = x [M, K] . (scale * q)^T + bias (bias may be NULL).
- * Returns 0, or -1 when the per-thread buffer could not be allocated (y untouched). */
-int int8_linear_f32(const float *x, int64_t x_stride, const int8_t *q, const float *scale,
-                    const float *bias, float *y, int64_t M, int64_t N, int64_t K,
-                    int num_threads) {
-    const int64_t num_nblocks = N / 4;
+/* y [M, N] (row stride N) = x [M, K] . (scale * q)^T + bias. qpacked: ceil(N / 32) panels
+ * [K][32] int8; scale and bias: N_pad = 32 * ceil(N / 32) floats each (bias zeros when the
+ * layer has none). Returns 0, or -1 when a per-thread buffer could not be allocated. */
+int int8_linear_f32(const float *x, int64_t x_stride, const int8_t *qpacked,
+                    const float *scale, const float *bias, float *y, int64_t M, int64_t N,
+                    int64_t K, int num_threads) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
     const int widen = M > 4;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *wbuf = widen ? (float *)malloc((size_t)(4 * K) * sizeof(float)) : NULL;
+        float *wbuf = widen ? (float *)malloc((size_t)(K * PANEL) * sizeof(float)) : NULL;
         if (widen && wbuf == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -144,36 +147,14 @@ int int8_linear_f32(const float *x, int64_t x_stride, const int8_t *q, const flo
 #pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < num_nblocks; nb++) {
-                const int64_t n0 = nb * 4;
-                const int8_t *qb = q + n0 * K;
-                float out[4][4];
-                float s[4], b[4];
-                for (int j = 0; j < 4; j++) {
-                    s[j] = scale[n0 + j];
-                    b[j] = bias ? bias[n0 + j] : 0.f;
-                }
-                if (widen)
-                    for (int64_t k = 0; k < 4 * K; k++) wbuf[k] = (float)qb[k];
-                for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                    int mb = (int)(M - m0 < 4 ? M - m0 : 4);
-                    if (widen)
-                        tile_4n_f32(x + m0 * x_stride, x_stride, mb, wbuf, K, out);
-                    else
-                        tile_4n(x + m0 * x_stride, x_stride, mb, qb, K, out);
-                    for (int i = 0; i < mb; i++)
-                        for (int j = 0; j < 4; j++)
-                            y[(m0 + i) * N + n0 + j] = out[i][j] * s[j] + b[j];
-                }
+            for (int64_t p = 0; p < num_panels; p++) {
+                const int64_t n0 = p * PANEL;
+                const int64_t n_valid = N - n0 < PANEL ? N - n0 : PANEL;
+                run_panel(x, x_stride, M, qpacked + p * K * PANEL, scale + n0, bias + n0, y,
+                          N, n0, n_valid, K, wbuf);
             }
         }
         free(wbuf);
     }
-    if (failed) return -1;
-    /* The last N % 4 rows, one at a time. */
-    for (int64_t n = num_nblocks * 4; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            y[m * N + n] = dot_1n(x + m * x_stride, q + n * K, K) * scale[n]
-                           + (bias ? bias[n] : 0.f);
-    return 0;
+    return failed ? -1 : 0;
 }

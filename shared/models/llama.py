@@ -91,15 +91,15 @@ class Linear(nn.Linear):
 
 
 class Int8Embedding(nn.Module):
-    """nn.Embedding from int8 rows and one fp32 scale per row (`--quantization int8`)."""
+    """nn.Embedding from int8 rows and one fp32 scale per row (`--quantization int8`), in the
+    linear kernel's packed layout (a tied LM head shares it)."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, weight: cpu_int8.Int8Weight) -> None:
         super().__init__()
-        self.register_buffer("qweight", qweight)  # [vocab, hidden] int8
-        self.register_buffer("scale", scale)  # [vocab] float32
+        self.int8_weight = weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return cpu_int8.embedding(input_ids, self.qweight, self.scale)
+        return cpu_int8.embedding(input_ids, self.int8_weight)
 
 
 class RMSNorm(nn.Module):
@@ -301,11 +301,11 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         self.lm_head_int8 = cpu_int8.quantize_linear(head)
         self.lm_head_packed = None
-        qweight, scale = self.lm_head_int8.qweight, self.lm_head_int8.scale
+        embedding = self.lm_head_int8
         if self.lm_head_weight is not None:
             self.lm_head_weight = None
-            qweight, scale = cpu_int8.quantize_weight(self.embed_tokens.weight)
-        self.embed_tokens = Int8Embedding(qweight, scale)
+            embedding = cpu_int8.quantize_linear(self.embed_tokens.weight)
+        self.embed_tokens = Int8Embedding(embedding)
         self.quantization = "int8"
         self.weight_bytes_saved = max(0, before - self.resident_weight_bytes())
 
@@ -318,11 +318,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 tensors += [module.packed, *(module.int8_weight or ())]
         tensors += [self.lm_head_packed, *(self.lm_head_int8 or ())]
+        if isinstance(self.embed_tokens, Int8Embedding):
+            tensors += list(self.embed_tokens.int8_weight)
         seen: set[int] = set()
         total = 0
         for t in tensors:
-            key = None if t is None else (t.data_ptr() if t.layout == torch.strided else id(t))
-            if key is not None and key not in seen:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.data_ptr() if t.layout == torch.strided else id(t)
+            if key not in seen:
                 seen.add(key)
                 total += t.numel() * t.element_size()
         return total

@@ -1,5 +1,6 @@
-"""kernels/cpu_int8: symmetric per-channel quantization and the weight-only int8 linear (C
-kernel) against the dequantized weight through F.linear; rows independent of the batch."""
+"""kernels/cpu_int8: symmetric per-channel quantization, the panel packing, and the weight-only
+int8 linear (C kernel, both its paths: <= 4 rows and more) against the dequantized weight
+through F.linear; rows independent of the batch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kernels import cpu_int8
 
 
 def _dequant(w8: cpu_int8.Int8Weight) -> torch.Tensor:
-    return w8.qweight.float() * w8.scale[:, None]
+    return w8.dequantize()
 
 
 def test_quantize_weight_is_symmetric_per_row():
@@ -65,15 +66,33 @@ def test_non_contiguous_rows_and_an_empty_batch():
     assert cpu_int8.linear(torch.empty(0, 32), w8).shape == (0, 16)
 
 
-def test_k_not_a_multiple_of_16_falls_back_to_f_linear():
+def test_packing_round_trips_and_pads_to_whole_panels():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 24, generator=g)
+    q, s = cpu_int8.quantize_weight(w)
+    w8 = cpu_int8.quantize_linear(w, torch.arange(40.0))
+    assert w8.qpacked.shape == (2, 24, 32) and w8.out_features == 40
+    assert torch.equal(w8.qpacked[1, :, 3], q[35])  # panel 1, channel 3 = row 35
+    assert torch.equal(w8.qpacked[1, :, 8:], torch.zeros(24, 24, dtype=torch.int8))
+    assert torch.equal(w8.dequantize(), q.float() * s[:, None])
+    assert w8.bias[:40].tolist() == list(range(40)) and w8.bias[40:].eq(0).all()
+
+
+def test_without_the_c_kernel_it_dequantizes(monkeypatch):
     g = torch.Generator().manual_seed(2)
-    w8 = cpu_int8.quantize_linear(torch.randn(8, 20, generator=g))
+    w8 = cpu_int8.quantize_linear(torch.randn(8, 20, generator=g), torch.ones(8))
     x = torch.randn(3, 20, generator=g)
-    torch.testing.assert_close(cpu_int8.linear(x, w8), F.linear(x, _dequant(w8)))
+    expected = cpu_int8.linear(x, w8)
+    monkeypatch.setattr(cpu_int8, "load_kernel", lambda: None)
+    got = cpu_int8.linear(x, w8)
+    torch.testing.assert_close(got, F.linear(x, _dequant(w8), torch.ones(8)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_embedding_rows_are_dequantized():
     g = torch.Generator().manual_seed(3)
-    q, s = cpu_int8.quantize_weight(torch.randn(50, 16, generator=g))
-    ids = torch.tensor([3, 0, 49, 3])
-    assert torch.equal(cpu_int8.embedding(ids, q, s), (q.float() * s[:, None])[ids])
+    w = torch.randn(50, 16, generator=g)
+    q, s = cpu_int8.quantize_weight(w)
+    ids = torch.tensor([3, 0, 49, 3, 32])
+    got = cpu_int8.embedding(ids, cpu_int8.quantize_linear(w))
+    assert torch.equal(got, (q.float() * s[:, None])[ids])
