@@ -62,6 +62,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     core_share: str = ""
     scheduling_policy: str = "sjf"
+    burst_gap_ms: float = 4.0
     quantization: str = "none"
     seed: int | None = None
 
@@ -99,6 +100,11 @@ class EngineArgs:
                        choices=["sjf", "fcfs"],
                        help="waiting requests: shortest prompt first (with a 10 s aging "
                             "bound) or arrival order")
+        g.add_argument("--burst-gap-ms", type=float,
+                       default=float(env("burst_gap_ms", d.burst_gap_ms)),
+                       help="an idle engine that gets a request keeps taking arrivals until "
+                            "none comes for this long (at most 10x), then orders the burst; "
+                            "0: step at once")
         g.add_argument("--quantization", default=env("quantization", d.quantization),
                        choices=["none", "int8"],
                        help="int8: linear layers, LM head and embeddings in int8 (symmetric "
@@ -146,6 +152,8 @@ class EngineArgs:
         if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
                              f"{self.device} {self.dtype}")
+        if self.burst_gap_ms < 0:
+            raise ValueError(f"burst_gap_ms must be >= 0, got {self.burst_gap_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         name = self.served_model_name or (
@@ -164,7 +172,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.block_size),
             max_model_len=max_model_len,
-            scheduling_policy=self.scheduling_policy)  # type: ignore[arg-type]
+            scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
+            burst_gap_s=self.burst_gap_ms / 1000.0)
         parallel_config = ParallelConfig(device=self.device,  # type: ignore[arg-type]
                                          num_threads=self.num_threads,
                                          cpu_cores=parse_cores(self.cpu_cores),

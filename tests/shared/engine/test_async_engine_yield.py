@@ -1,10 +1,14 @@
-"""AsyncEngine and the core share: an engine told to wait (0 threads) does not step, does
-not count as stalled, and steps once it gets cores again (a fake EngineCore)."""
+"""AsyncEngine's stepping loop (fake EngineCores): an engine told to wait by the core share
+(0 threads) does not step, does not count as stalled, and steps once it gets cores again;
+an idle engine takes a whole burst of arrivals before its first step, for at most ten
+burst gaps."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 from shared.engine.async_engine import AsyncEngine
 
@@ -16,6 +20,7 @@ class _FakeCore:
         self.steps = 0
         self.stepping_thread: str | None = None
         self.done = threading.Event()
+        self.scheduler = SimpleNamespace(scheduler_config=SimpleNamespace(burst_gap_s=0.0))
 
     def bind_stepping_thread(self) -> None:
         self.stepping_thread = threading.current_thread().name
@@ -48,5 +53,74 @@ def test_waits_while_told_to_then_steps_and_never_looks_stalled():
         assert core.stepping_thread == "yield-test"
         # Waiting for cores refreshed the progress clock: nothing here looks stalled.
         assert time.monotonic() - engine.last_step_time < 5.0
+    finally:
+        engine.shutdown()
+
+
+class _CountingCore:
+    """Counts the requests added before its first step; steps until `target` are done."""
+
+    def __init__(self, burst_gap_s: float, target: int) -> None:
+        self.scheduler = SimpleNamespace(
+            scheduler_config=SimpleNamespace(burst_gap_s=burst_gap_s))
+        self.added = 0
+        self.target = target
+        self.seen_at_first_step: int | None = None
+        self.finished = 0
+
+    def bind_stepping_thread(self) -> None:
+        pass
+
+    def add(self) -> None:
+        self.added += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.finished < self.added
+
+    def mark_idle(self) -> None:
+        pass
+
+    def acquire_cores(self) -> int:
+        return 2
+
+    def step(self) -> list:
+        if self.seen_at_first_step is None:
+            self.seen_at_first_step = self.added
+        self.finished = self.added
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def _arrive(engine: AsyncEngine, n: int, spacing_s: float) -> None:
+    for _ in range(n):
+        await engine.call(lambda e: e.add())
+        await asyncio.sleep(spacing_s)
+
+
+def test_an_idle_engine_takes_a_whole_burst_before_its_first_step():
+    # Arrivals 5 ms apart, a 200 ms gap: all ten are in the first step's view.
+    core = _CountingCore(burst_gap_s=0.2, target=10)
+    engine = AsyncEngine(core, name="burst-test")  # type: ignore[arg-type]
+    try:
+        asyncio.run(_arrive(engine, 10, 0.005))
+        deadline = time.monotonic() + 10
+        while core.seen_at_first_step is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.seen_at_first_step == 10
+    finally:
+        engine.shutdown()
+
+
+def test_the_burst_wait_is_capped_at_ten_gaps():
+    # Arrivals keep coming every 10 ms for about 1.5 s; with a 20 ms gap the engine must
+    # step by about 200 ms, long before the last arrival.
+    core = _CountingCore(burst_gap_s=0.02, target=150)
+    engine = AsyncEngine(core, name="burst-cap-test")  # type: ignore[arg-type]
+    try:
+        asyncio.run(_arrive(engine, 150, 0.01))
+        assert core.seen_at_first_step is not None
+        assert 1 <= core.seen_at_first_step < 150
     finally:
         engine.shutdown()
