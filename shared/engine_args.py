@@ -63,6 +63,7 @@ class EngineArgs:
     core_share: str = ""
     scheduling_policy: str = "sjf"
     burst_gap_ms: float = 4.0
+    max_decode_stall_ms: float = 500.0
     quantization: str = "none"
     seed: int | None = None
 
@@ -123,6 +124,11 @@ class EngineArgs:
                        help="host-local core-share board file shared by the engines of one "
                             "host (each step takes its share of the cores among the busy "
                             "engines); `pdserve up` passes one; empty: fixed thread count")
+        g.add_argument("--max-decode-stall-ms", type=float,
+                       default=float(env("max_decode_stall_ms", d.max_decode_stall_ms)),
+                       help="core share: a decode-only engine lets a busy prefill engine of "
+                            "the host have the cores until its streams have waited this "
+                            "long; 0: decodes never wait for prefills")
         return parser
 
     @classmethod
@@ -152,6 +158,8 @@ class EngineArgs:
         if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
             raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
                              f"{self.device} {self.dtype}")
+        if self.max_decode_stall_ms < 0:
+            raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.burst_gap_ms < 0:
             raise ValueError(f"burst_gap_ms must be >= 0, got {self.burst_gap_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -178,7 +186,8 @@ class EngineArgs:
                                          num_threads=self.num_threads,
                                          cpu_cores=parse_cores(self.cpu_cores),
                                          attention_backend=self.attention_backend,  # type: ignore
-                                         core_share=self.core_share)
+                                         core_share=self.core_share,
+                                         max_decode_stall_s=self.max_decode_stall_ms / 1000.0)
         logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,
                     parallel_config)
         return model_config, cache_config, scheduler_config, parallel_config

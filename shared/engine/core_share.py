@@ -23,6 +23,16 @@ decode instance's short local prefills then run on every core before the prefill
 instance's long prompts, as one shortest-job-first queue would order them; the scheduler's
 aging bound (`max_wait_s`) still applies, since an overdue prompt publishes urgency 0.
 
+Prefill before decode, with a bounded stall. An engine with only decodes to run (urgency
+NO_PREFILL) may yield too: it then waits while any busy engine has a prefill, until its
+streams have waited `max_decode_stall_s` (EngineCore); then it publishes urgency 0, the
+prefill engine waits at its next step boundary and the decode engine takes one step on
+every core. A unified engine does the same in effect: vLLM's chunked-prefill step gives
+the prefill chunks all of its token budget beyond one token per decode, so a burst's
+prompts get nearly all the compute while decodes advance one token per step. Split 1:1
+instead, a burst's long prompts ran at half speed and started decoding late, and the
+requests that started last decided the burst's wall time.
+
 The board is a file of `MAX_SLOTS` slots of two int64 (mmap, normally on /dev/shm). An
 engine claims a free slot by taking a POSIX record lock on its 16 bytes (`fcntl.lockf`),
 held for the life of the process, so a slot whose owner died is seen free (the kernel drops
@@ -59,6 +69,9 @@ STALE_S = 30.0
 NO_PREFILL = (1 << 40)
 """Urgency of an engine with no prefill to do."""
 _CAN_YIELD = 1 << 62
+_PARKED = 1 << 61
+"""Set while the engine waits with 0 threads (it runs no step now)."""
+_FLAGS = _CAN_YIELD | _PARKED
 
 
 def default_board_path() -> str:
@@ -106,33 +119,52 @@ class CoreShare:
         Args:
             busy: the engine has work to step.
             urgency: prompt tokens left of its next prefill (0: overdue); NO_PREFILL: none.
-            can_yield: pausing this engine stalls no stream (no decodes running).
+            can_yield: this engine may wait for a shorter prefill elsewhere: it has no
+                decodes running (pausing it stalls no stream), or it has only decodes
+                (urgency NO_PREFILL) whose stall bound has not run out, and then waits for
+                any busy engine with a prefill to do.
 
         Returns:
-            Threads for this step; 0 means: wait, another engine has a shorter prefill (only
-            when busy and can_yield). An idle engine gets the share it would have if busy.
+            Threads for this step; 0 means: wait and ask again, because another engine has
+            a shorter prefill (only when busy and can_yield), or because an engine that
+            will yield to this one is still in its step (its cores are not free yet). An
+            idle engine gets the share it would have if busy.
         """
         now = time.monotonic_ns()
-        mark = self._read(self.slot)[0]
+        mark, previous = self._read(self.slot)
         if busy:
             mark = now
         elif mark > 0:
             mark = -now
-        self._write(self.slot, mark, urgency | (_CAN_YIELD if can_yield else 0))
+        word = urgency | (_CAN_YIELD if can_yield else 0)
+        # NOTE: a parked engine stays marked parked until it decides to run, so that no
+        # other engine mistakes it for one still in its step.
+        self._write(self.slot, mark, word | (previous & _PARKED if busy else 0))
         others = [(i, u) for i in range(MAX_SLOTS) if i != self.slot
                   for u in (self._busy_urgency(i, now),) if u is not None]
-        if busy and can_yield and urgency < NO_PREFILL:
-            shortest = min((u & ~_CAN_YIELD for _, u in others), default=NO_PREFILL)
+        if busy and can_yield:
+            shortest = min((u & ~_FLAGS for _, u in others), default=NO_PREFILL)
             if shortest < urgency:
-                self.threads = 0
-                return 0
-        # Engines that would yield to a shorter prefill hold no share either.
-        competing = [i for i, u in others if not self._yields(u, others, i, urgency, busy)]
+                return self._park(mark, word)
+        # Engines that would yield to a shorter prefill hold no share either, once parked;
+        # until then they are still in a step, and taking their cores would oversubscribe.
+        competing = []
+        for i, u in others:
+            if not self._yields(u, others, i, urgency, busy):
+                competing.append(i)
+            elif busy and not u & _PARKED:
+                return self._park(mark, word)
+        self._write(self.slot, mark, word)
         busy_slots = sorted(competing + [self.slot])
         share, extra = divmod(self.num_cores, len(busy_slots))
         rank = busy_slots.index(self.slot)
         self.threads = max(1, share + (1 if rank < extra else 0))
         return self.threads
+
+    def _park(self, mark: int, word: int) -> int:
+        self._write(self.slot, mark, word | _PARKED)
+        self.threads = 0
+        return 0
 
     @staticmethod
     def _yields(u: int, others: list[tuple[int, int]], slot: int, my_urgency: int,
@@ -140,10 +172,8 @@ class CoreShare:
         """Whether the engine in `slot` (urgency word `u`) waits for a shorter prefill."""
         if not u & _CAN_YIELD:
             return False
-        own = u & ~_CAN_YIELD
-        if own >= NO_PREFILL:
-            return False
-        shortest = min((v & ~_CAN_YIELD for i, v in others if i != slot), default=NO_PREFILL)
+        own = u & ~_FLAGS
+        shortest = min((v & ~_FLAGS for i, v in others if i != slot), default=NO_PREFILL)
         if my_busy:
             shortest = min(shortest, my_urgency)
         return shortest < own

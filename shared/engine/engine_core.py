@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from shared.engine.core_share import CoreShare
+from shared.engine.core_share import NO_PREFILL, CoreShare
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -71,6 +72,8 @@ class EngineCore:
         """Threads of the stepping thread's pool (without a core share)."""
         self.core_share = open_core_share(parallel_config)
         """This engine's slot on the host's core board; None: a fixed thread count."""
+        self.max_decode_stall_ns = int(parallel_config.max_decode_stall_s * 1e9)
+        self._last_step_end_ns = 0
         self.model_config = model_config
         self.model_runner = ModelRunner(model_config, cache_config, parallel_config)
         self.num_gpu_blocks = self.model_runner.num_gpu_blocks
@@ -142,7 +145,15 @@ class EngineCore:
         if self.core_share is None:
             return torch.get_num_threads()
         urgency, has_decodes = self.scheduler.prefill_urgency()
-        threads = self.core_share.update(busy=True, urgency=urgency, can_yield=not has_decodes)
+        can_yield = not has_decodes
+        if has_decodes and urgency == NO_PREFILL and self.max_decode_stall_ns > 0:
+            # Only decodes: let a prefill engine of this host have the cores, until the
+            # streams have waited max_decode_stall_s since this engine's last step.
+            if time.monotonic_ns() - self._last_step_end_ns < self.max_decode_stall_ns:
+                can_yield = True
+            else:
+                urgency = 0  # due: the prefill engine waits for this one step
+        threads = self.core_share.update(busy=True, urgency=urgency, can_yield=can_yield)
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         return threads
@@ -152,7 +163,10 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
-        sampled = self.model_runner.execute_model(scheduler_output)
+        try:
+            sampled = self.model_runner.execute_model(scheduler_output)
+        finally:
+            self._last_step_end_ns = time.monotonic_ns()
         deltas = self.scheduler.update_from_output(scheduler_output, sampled)
         deltas = _attach_prompt_logprobs(scheduler_output, deltas)
         finished = [d.request_id for d in deltas if d.finished]

@@ -16,19 +16,21 @@ _ctx = mp.get_context("fork")
 
 
 def _engine(path: str, num_cores: int, busy: bool, ready, stop, urgency=NO_PREFILL,
-            can_yield=False) -> None:
+            can_yield=False, poll=False) -> None:
     share = CoreShare(path, num_cores, linger_s=0.0)
     share.update(busy=busy, urgency=urgency, can_yield=can_yield)
     ready.set()
-    stop.wait(30)
+    # poll: ask again every 2 ms, as an engine between steps (or waiting) does.
+    while not stop.wait(0.002 if poll else 30):
+        share.update(busy=busy, urgency=urgency, can_yield=can_yield)
     share.close()
 
 
 def _start(path: str, num_cores: int = 2, busy: bool = True, urgency=NO_PREFILL,
-           can_yield=False):
+           can_yield=False, poll=False):
     ready, stop = _ctx.Event(), _ctx.Event()
     proc = _ctx.Process(target=_engine, args=(path, num_cores, busy, ready, stop, urgency,
-                                              can_yield), daemon=True)
+                                              can_yield, poll), daemon=True)
     proc.start()
     assert ready.wait(30)
     return proc, stop
@@ -195,16 +197,101 @@ def test_a_prefill_engine_yields_to_a_shorter_prefill_elsewhere(board):
     share.close()
 
 
-def test_the_shorter_engine_takes_the_yielding_engines_cores(board):
+def _threads_within(share: CoreShare, seconds: float = 10.0, **kw) -> list[int]:
+    """Ask every 2 ms until the answer is non-zero (or time is up); all answers."""
+    answers = [share.update(busy=True, **kw)]
+    deadline = time.monotonic() + seconds
+    while answers[-1] == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+        answers.append(share.update(busy=True, **kw))
+    return answers
+
+
+def test_the_shorter_engine_takes_the_yielding_engines_cores_once_it_parks(board):
+    # The prefill engine published 300 and runs its step; it has not seen the shorter
+    # prefill yet, so taking its cores now would put 4 threads on 2 cores: wait.
     prefill, stop = _start(board, busy=True, urgency=300, can_yield=True)
     share = CoreShare(board, 2, linger_s=0.0)
     try:
-        assert share.update(busy=True, urgency=40, can_yield=False) == 2
-        # Only decodes left here (no prefill): the prefill engine no longer yields.
-        assert share.update(busy=True, urgency=NO_PREFILL, can_yield=False) == 1
+        assert share.update(busy=True, urgency=40, can_yield=False) == 0
     finally:
         _stop(prefill, stop)
         share.close()
+    # An engine that asks again between steps parks, and then its cores are free.
+    prefill, stop = _start(board, busy=True, urgency=300, can_yield=True, poll=True)
+    share = CoreShare(board, 2, linger_s=0.0)
+    try:
+        assert _threads_within(share, urgency=40, can_yield=False)[-1] == 2
+        # Only decodes left here (no prefill, no yield): the prefill engine no longer
+        # yields, the cores are split.
+        assert _threads_within(share, urgency=NO_PREFILL, can_yield=False)[-1] == 1
+    finally:
+        _stop(prefill, stop)
+        share.close()
+
+
+def test_a_decode_only_engine_yields_to_a_prefill_until_its_stall_bound(board):
+    """Prefill before decode: an engine with only decodes (NO_PREFILL, can_yield) waits while
+    a prefill engine is busy, and the prefill engine gets every core; when the decodes are
+    due (urgency 0, no yield) the prefill engine parks at its next step boundary and the
+    decode engine gets every core."""
+    prefill, stop = _start(board, busy=True, urgency=300, can_yield=True, poll=True)
+    share = CoreShare(board, 2, linger_s=0.0)
+    try:
+        assert share.update(busy=True, urgency=NO_PREFILL, can_yield=True) == 0
+        # Parked: the prefill engine (slot 0) counts this one out.
+        assert share._read(share.slot)[1] & (1 << 61)
+        # Due: take the cores back once the prefill engine has parked.
+        answers = _threads_within(share, urgency=0, can_yield=False)
+        assert answers[-1] == 2
+        # Not due again: it yields again (and the prefill engine takes the cores back).
+        assert share.update(busy=True, urgency=NO_PREFILL, can_yield=True) == 0
+    finally:
+        _stop(prefill, stop)
+        share.close()
+    # Alone, a decode-only engine that may yield runs on every core.
+    share = CoreShare(board, 2, linger_s=0.0)
+    try:
+        assert share.update(busy=True, urgency=NO_PREFILL, can_yield=True) == 2
+    finally:
+        share.close()
+
+
+def test_engine_core_yields_its_decodes_until_the_stall_bound():
+    """EngineCore.acquire_cores: only decodes and a recent step -> may yield (NO_PREFILL,
+    can_yield); past max_decode_stall_s -> urgency 0, no yield; a local prefill or a bound
+    of 0 -> never yields."""
+    from shared.engine import engine_core
+
+    class _Share:
+        def __init__(self):
+            self.calls = []
+
+        def update(self, busy, urgency=NO_PREFILL, can_yield=False):
+            self.calls.append((urgency, can_yield))
+            return 2
+
+    class _Scheduler:
+        answer = (NO_PREFILL, True)
+
+        def prefill_urgency(self):
+            return self.answer
+
+    core = engine_core.EngineCore.__new__(engine_core.EngineCore)
+    core.core_share = _Share()
+    core.scheduler = _Scheduler()
+    core.max_decode_stall_ns = int(0.5e9)
+    core._last_step_end_ns = time.monotonic_ns()
+    core.acquire_cores()
+    core._last_step_end_ns = time.monotonic_ns() - int(0.6e9)
+    core.acquire_cores()
+    core.scheduler.answer = (40, True)  # a local prefill besides the decodes
+    core.acquire_cores()
+    core.scheduler.answer = (NO_PREFILL, True)
+    core.max_decode_stall_ns = 0
+    core.acquire_cores()
+    assert core.core_share.calls == [(NO_PREFILL, True), (0, False), (40, False),
+                                     (NO_PREFILL, False)]
 
 
 def test_scheduler_prefill_urgency():
