@@ -160,6 +160,10 @@ class AsyncEngine:
             self._wake.clear()
             took = not self._ops.empty()
             self._run_ops()
+            # Publish the work on the host's core board now: another engine of this host
+            # ending its own gathering first must see this burst's shorter prompts before
+            # it starts a long prefill step.
+            self.engine.acquire_cores()
             remaining = deadline - time.monotonic()
             if remaining <= 0 or (not took and not self._wake.wait(min(gap_s, remaining))):
                 break
