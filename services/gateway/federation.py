@@ -141,6 +141,10 @@ class MetricsFederation:
 
     async def _scrape(self, info) -> list[Metric]:
         if self._http is None:
+            # NOTE: httpx logs every request at INFO: one line per engine per Prometheus
+            # scrape in the gateway's log. Those lines are kept for --log-level DEBUG only.
+            if not logger.isEnabledFor(logging.DEBUG):
+                logging.getLogger("httpx").setLevel(logging.WARNING)
             # NOTE: trust_env=False: internal addresses never go through an HTTP(S)_PROXY.
             self._http = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT, trust_env=False)
         try:

@@ -75,3 +75,28 @@ async def test_federation_labels_merges_and_survives_a_dead_endpoint(redis_url):
               for s in families["pdserve_gateway_federation_errors"].samples
               if s.name.endswith("_total")}
     assert errors == {"decode-dead": 1.0}
+
+
+async def test_scrapes_do_not_log_a_line_per_engine_at_info(redis_url, caplog):
+    """At INFO, a Prometheus scraping the gateway every few seconds must not put httpx's
+    'HTTP Request: GET http://<engine>/metrics' line per engine per scrape in the log."""
+    import logging
+
+    httpx_logger = logging.getLogger("httpx")
+    saved = httpx_logger.level
+    server = _engine(1)
+    index = PrefixIndex(redis_url, "quiet")
+    caplog.set_level(logging.INFO)
+    try:
+        await index.register(InstanceInfo("decode-q", "decode", f"127.0.0.1:{free_port()}",
+                                          "quiet",
+                                          metrics_address=f"127.0.0.1:{server.server_port}"))
+        federation = MetricsFederation(GatewayMetrics().registry, index, None, "quiet")
+        text = (await federation.render()).decode()
+        await federation.close()
+    finally:
+        await index.close()
+        server.shutdown()
+        httpx_logger.setLevel(saved)
+    assert 'instance="decode-q"' in text
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("httpx")] == []
