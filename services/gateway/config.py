@@ -234,7 +234,10 @@ def _tokenizer_dir(value: str | None) -> str | None:
         return value
     from shared.models.convert import resolve_model_path
 
-    return str(resolve_model_path(value, convert=False))
+    try:
+        return str(resolve_model_path(value, convert=False))
+    except FileNotFoundError as e:  # name the flag: the message says "model ..." otherwise
+        raise FileNotFoundError(f"--tokenizer: {e}") from None
 
 
 def read_chat_template(value: str | None) -> str | None:

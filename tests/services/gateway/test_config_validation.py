@@ -96,3 +96,11 @@ def test_vllm_compat_flags(model_path, tmp_path):
     assert (d.allowed_origins, d.chat_template, d.protect_metrics) == (("*",), None, False)
     with pytest.raises(FileNotFoundError, match="--chat-template"):
         _config(model_path, "--chat-template", str(tmp_path / "missing.jinja"))
+
+
+def test_a_tokenizer_that_is_not_there_names_the_flag(model_path, tmp_path):
+    """`--tokenizer HuggingFaceTB/SmolLM2-135M-Instruct` (a hub id, as vLLM users pass) or a
+    wrong directory: the one-line error names --tokenizer, not the model."""
+    for value in ("HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path / "nope")):
+        with pytest.raises(FileNotFoundError, match="^--tokenizer: "):
+            _config(model_path, "--tokenizer", value)
