@@ -66,6 +66,13 @@ class EngineArgs:
     max_decode_stall_ms: float = 500.0
     quantization: str = "none"
     seed: int | None = None
+    # vLLM's flags that a `vllm serve` command line carries; accepted so that it runs here.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    disable_log_requests: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -83,7 +90,9 @@ class EngineArgs:
                        help="HF directory, .gguf file, or SmolLM2-135M-Instruct (default)")
         g.add_argument("--served-model-name", default=env("served_model_name", None))
         g.add_argument("--dtype", default=env("dtype", d.dtype),
-                       choices=["float32", "bfloat16", "float16"])
+                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+                       help="auto: float32 on CPU, the model's 16-bit dtype on CUDA; "
+                            "float = float32, half = float16 (as vLLM)")
         g.add_argument("--max-model-len", type=int, default=env("max_model_len", None))
         g.add_argument("--block-size", type=int, default=int(env("block_size", d.block_size)))
         g.add_argument("--kv-cache-memory", default=env("kv_cache_memory", d.kv_cache_memory),
@@ -112,6 +121,19 @@ class EngineArgs:
                             "per output channel, fp32 activations; CPU only); "
                             "prefill and decode must use the same")
         g.add_argument("--device", default=env("device", d.device), choices=["cpu", "cuda"])
+        v = parser.add_argument_group("vLLM command-line compatibility")
+        v.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="only 1 (one device per engine; scale out with more instances)")
+        v.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="only 1")
+        v.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="accepted and ignored: --kv-cache-memory sizes the KV pool")
+        v.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted; no effect (Llama-family models load without code)")
+        v.add_argument("--enforce-eager", action="store_true",
+                       help="accepted; no effect (the forward runs eagerly)")
+        v.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted; no effect (requests are not logged one by one)")
         g.add_argument("--seed", type=int, default=env("seed", None),
                        help="seeds the sampler's generator of requests without a seed of "
                             "their own (default: random)")
@@ -136,6 +158,17 @@ class EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
 
+    def resolve_dtype(self, hf_config: dict) -> str:
+        """--dtype as ModelConfig takes it: vLLM's aliases (float, half) and "auto"
+        (float32 on CPU; on CUDA the checkpoint's bfloat16 / float16, else float16)."""
+        alias = {"float": "float32", "half": "float16"}
+        if self.dtype != "auto":
+            return alias.get(self.dtype, self.dtype)
+        if self.device == "cpu":
+            return "float32"
+        torch_dtype = str(hf_config.get("torch_dtype", ""))
+        return torch_dtype if torch_dtype in ("bfloat16", "float16") else "float16"
+
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig,
                                              ParallelConfig]:
         """Resolve every "auto" and the model path, validate, and freeze.
@@ -153,11 +186,19 @@ class EngineArgs:
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(f"{name}={getattr(self, name)}: pdserve runs one device per "
+                                 "engine; scale out with more prefill / decode instances")
+        if self.gpu_memory_utilization is not None:
+            logger.warning("--gpu-memory-utilization is ignored: --kv-cache-memory (%s) sizes "
+                           "the KV pool", self.kv_cache_memory)
+        dtype = self.resolve_dtype(hf)
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
-        if self.quantization == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+        if self.quantization == "int8" and (self.device != "cpu" or dtype != "float32"):
             raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
-                             f"{self.device} {self.dtype}")
+                             f"{self.device} {dtype}")
         if self.max_decode_stall_ms < 0:
             raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.burst_gap_ms < 0:
@@ -167,7 +208,7 @@ class EngineArgs:
         name = self.served_model_name or (
             self.model if os.sep not in self.model else os.path.basename(str(model_path)))
         model_config = ModelConfig(model=self.model, model_path=str(model_path),
-                                   served_model_name=name, dtype=self.dtype,  # type: ignore
+                                   served_model_name=name, dtype=dtype,  # type: ignore
                                    max_model_len=max_model_len,
                                    vocab_size=int(hf["vocab_size"]),
                                    quantization=self.quantization,  # type: ignore[arg-type]

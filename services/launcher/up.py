@@ -216,9 +216,9 @@ def _describe(code: int | None) -> str:
 def curl_line(url: str, model: str, api_key: str | None) -> str:
     body = json.dumps({"model": model, "max_tokens": 64, "messages": [
         {"role": "user", "content": "Why is the sky blue?"}]})
-    # NOTE: several keys (comma-separated): the example uses the first.
-    key = api_key.split(",")[0].strip() if api_key else None
-    auth = f" -H {shlex.quote('Authorization: Bearer ' + key)}" if key else ""
+    # NOTE: the key itself never goes to the output (logs keep it): the line reads it from
+    # the environment of whoever pastes it.
+    auth = ' -H "Authorization: Bearer $PDSERVE_API_KEY"' if api_key else ""
     return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d {shlex.quote(body)}")
 

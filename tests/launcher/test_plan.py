@@ -163,9 +163,11 @@ def test_up_parser_standalone():
 
 
 def test_curl_line_pastes_as_is():
-    words = shlex.split(curl_line("http://h:1", "it's-a-model", "k'ey"))
+    line = curl_line("http://h:1", "it's-a-model", "k'ey")
+    words = shlex.split(line)
     assert words[1] == "http://h:1/v1/chat/completions"
-    assert "Authorization: Bearer k'ey" in words
+    # The key is never printed: the line takes it from the environment.
+    assert "k'ey" not in line and "Authorization: Bearer $PDSERVE_API_KEY" in words
     body = json.loads(words[words.index("-d") + 1])
     assert body["model"] == "it's-a-model" and body["messages"][0]["role"] == "user"
 

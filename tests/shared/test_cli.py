@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shared.cli", "--log-level", "WARNING", *args,
@@ -62,6 +64,35 @@ def test_vllm_style_command_lines_parse():
         assert parser.parse_args(args).log_level == "DEBUG"
     args, _ = normalize_argv(["serve", "gateway", "--port", "1"])
     assert parser.parse_args(args).serve_role == "gateway"
+
+
+def test_a_vllm_serve_command_line_runs_here(model_path):
+    """The flags a `vllm serve` command line commonly carries parse; --dtype's vLLM values
+    resolve (auto: float32 on CPU); parallel sizes other than 1 are refused by name; the
+    engines get the flags back from `pdserve up` unchanged."""
+    from services.launcher.config import config_from_args
+    from services.launcher.plan import engine_flags
+    from shared.cli import build_parser, normalize_argv
+    from shared.engine_args import EngineArgs
+
+    parser = build_parser()
+    args, _ = normalize_argv(["serve", model_path, "--dtype", "auto", "-tp", "1",
+                              "--gpu-memory-utilization", "0.9", "--trust-remote-code",
+                              "--enforce-eager", "--disable-log-requests"])
+    config = config_from_args(parser.parse_args(args))
+    engine = config.engine_args
+    assert (engine.dtype, engine.tensor_parallel_size, engine.gpu_memory_utilization,
+            engine.trust_remote_code, engine.enforce_eager) == ("auto", 1, 0.9, True, True)
+    assert engine.create_engine_configs()[0].dtype == "float32"
+    flags = engine_flags(engine)
+    assert "--trust-remote-code" in flags and flags[flags.index("--dtype") + 1] == "auto"
+    for value, expected in (("float", "float32"), ("half", "float16"),
+                            ("bfloat16", "bfloat16")):
+        assert EngineArgs(model=model_path, dtype=value).resolve_dtype({}) == expected
+    assert EngineArgs(dtype="auto", device="cuda").resolve_dtype(
+        {"torch_dtype": "bfloat16"}) == "bfloat16"
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineArgs(model=model_path, tensor_parallel_size=2).create_engine_configs()
 
 
 def test_seed_reaches_the_sampler(model_path):
