@@ -203,3 +203,17 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
     stopped = [line for line in log.read_text().splitlines() if "stopped:" in line]
     assert stopped and "redis exit 0" in stopped[-1] and "prefill-0 exit 0" in stopped[-1] \
         and "decode-0 exit 0" in stopped[-1], stopped
+
+
+def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path):
+    """The engines' own configuration check runs in the launcher first: a max_model_len past
+    the model's positions is one line and exit 1, with no child started and no traceback."""
+    port = _free_port()
+    done = subprocess.run([sys.executable, "-m", "shared.cli", "up", "--model", model_path,
+                           "--port", str(port), "--max-model-len", "100000"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "error: max_model_len=100000 exceeds the model's max_position_embeddings" in out
+    assert "Traceback" not in out and "[gateway]" not in out and "[redis]" not in out
