@@ -63,7 +63,7 @@ class EngineArgs:
     core_share: str = ""
     scheduling_policy: str = "sjf"
     burst_gap_ms: float = 4.0
-    max_decode_stall_ms: float = 500.0
+    max_decode_stall_ms: float = 0.0
     quantization: str = "none"
     seed: int | None = None
     # vLLM's flags that a `vllm serve` command line carries; accepted so that it runs here.
@@ -148,9 +148,9 @@ class EngineArgs:
                             "engines); `pdserve up` passes one; empty: fixed thread count")
         g.add_argument("--max-decode-stall-ms", type=float,
                        default=float(env("max_decode_stall_ms", d.max_decode_stall_ms)),
-                       help="core share: a decode-only engine lets a busy prefill engine of "
-                            "the host have the cores until its streams have waited this "
-                            "long; 0: decodes never wait for prefills")
+                       help="core share: if > 0, a decode-only engine lets a busy prefill "
+                            "engine of the host have the cores until its streams have waited "
+                            "this long; 0 (default): decodes never wait for prefills")
         return parser
 
     @classmethod
