@@ -65,3 +65,18 @@ def test_model_switch_packs_every_linear_and_the_lm_head():
     x = torch.randn(5, 32)
     torch.testing.assert_close(linears[0](x), F.linear(x, linears[0].weight), rtol=1e-5,
                                atol=1e-5)
+
+
+def test_fewer_rows_than_min_rows_give_the_rows_of_a_min_rows_batch():
+    """1-3 rows run padded to MIN_ROWS: each row equals, bit for bit, the same row computed
+    in a batch of MIN_ROWS rows (so a single stream's logits do not depend on whether it
+    decodes alone or beside 1-3 others)."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(960, 576, generator=g)
+    packed = cpu_linear.pack_weight(weight)
+    x = torch.randn(cpu_linear.MIN_ROWS, 576, generator=g)
+    full = cpu_linear.linear(x, packed)
+    for m in range(1, cpu_linear.MIN_ROWS):
+        out = cpu_linear.linear(x[:m], packed)
+        assert out.shape == (m, 960)
+        assert torch.equal(out, full[:m])
