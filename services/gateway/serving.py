@@ -65,7 +65,8 @@ class EngineInfo(NamedTuple):
     max_model_len: int
     block_size: int
     model_name: str
-    """The engine's served model name: the prefix-hash extra key."""
+    """The engine's served model name and weight quantization: prefix-hash extra keys."""
+    quantization: str = "none"
 
 
 class ClientDisconnected(Exception):
@@ -133,7 +134,7 @@ class ServingEngine:
             logger.warning("the engine serves %r, the gateway %r: routing hashes use %r",
                            model_name, cfg.served_model_name, model_name)
         self._info = EngineInfo(max_model_len, states[0].block_size or cfg.block_size,
-                                model_name)
+                                model_name, states[0].quantization or "none")
         logger.info("engine: %s", self._info)
         return self._info
 
@@ -179,7 +180,8 @@ class ServingEngine:
                 return
             placement = await self.placer.place(
                 prompt_token_ids, model_name=info.model_name, block_size=info.block_size,
-                cache_salt=cache_salt, avoid=avoid, local_prefill=bool(output_token_ids))
+                cache_salt=cache_salt, avoid=avoid, local_prefill=bool(output_token_ids),
+                quantization=info.quantization)
             if placement is None:
                 if num_retries:
                     self.failover_stats.exhausted += 1
@@ -250,8 +252,7 @@ class ServingEngine:
         failed: str | None = None
         call = None
         finished = False
-        # NOTE: the decode instance counts as loaded from placement on, so that requests
-        # placed while this one prefills spread over the instances.
+        # NOTE: decode counts as loaded from placement on (requests placed meanwhile spread)
         self.placer.begin(placement.decode_address)
         try:
             if placement.prefill_address is not None:
