@@ -35,6 +35,7 @@ def store_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: Backend = "torch",
+    has_skips: bool | None = None,
 ) -> None:
     """Write this step's K/V into the cache, in place.
 
@@ -45,9 +46,11 @@ def store_kv_cache(
         v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
         slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset; -1 skipped.
         backend: which implementation runs.
+        has_skips: whether slot_mapping holds a -1, when the caller knows (torch backend;
+            None: checked here, one reduction per call).
     """
     if backend == "torch":
-        torch_paged.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+        torch_paged.store_kv_cache(key, value, k_cache, v_cache, slot_mapping, has_skips)
     elif backend == "triton":
         from kernels import triton_store
 

@@ -174,11 +174,15 @@ def store_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    has_skips: bool | None = None,
 ) -> None:
     """Scatter key/value [num_tokens, num_kv_heads, head_dim] into the caches
     [num_blocks, block_size, num_kv_heads, head_dim] at slot_mapping [num_tokens] int64
-    (-1 = skip). In place."""
-    if bool((slot_mapping < 0).any()):
+    (-1 = skip). In place. `has_skips`: whether slot_mapping holds a -1 (None: check here;
+    PagedAttention checks once per step instead of once per layer)."""
+    if has_skips is None:
+        has_skips = bool((slot_mapping < 0).any())
+    if has_skips:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     # NOTE: a slot is a row of the cache seen as [num_blocks * block_size, kv_heads, D]:

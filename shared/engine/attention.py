@@ -21,13 +21,15 @@ class PagedAttention:
         self.torch_metadata = (kernels.prepare_torch_metadata(
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc, block_size,
             num_kv_heads) if backend == "torch" else None)
+        self.slot_has_skips = (bool((metadata.slot_mapping < 0).any())
+                               if backend == "torch" else None)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """query [T, num_heads, D], key/value [T, num_kv_heads, D] -> [T, num_heads, D]."""
         m = self.metadata
         kernels.store_kv_cache(key, value, k_cache, v_cache, m.slot_mapping,
-                               backend=self.backend)
+                               backend=self.backend, has_skips=self.slot_has_skips)
         return kernels.paged_attention(query, k_cache, v_cache, m.block_table, m.seq_lens,
                                        m.query_start_loc, scale, m.max_query_len,
                                        m.max_seq_len, backend=self.backend,

@@ -80,3 +80,9 @@ def test_fewer_rows_than_min_rows_give_the_rows_of_a_min_rows_batch():
         out = cpu_linear.linear(x[:m], packed)
         assert out.shape == (m, 960)
         assert torch.equal(out, full[:m])
+    # The padding buffer is reused: rows left by an earlier, larger call (here inf and NaN)
+    # must not reach a later, smaller call's rows.
+    poison = torch.tensor([float("inf"), float("nan"), -1e30]).repeat_interleave(192)
+    cpu_linear.linear(torch.stack([poison] * (cpu_linear.MIN_ROWS - 1)), packed)
+    for m in (1, 2):
+        assert torch.equal(cpu_linear.linear(x[:m], packed), full[:m])

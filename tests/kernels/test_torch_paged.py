@@ -121,8 +121,10 @@ def test_native_kernel_rows_cover_chunked_prefill() -> None:
     assert_matches_reference(out, reference.paged_attention(*attention_args(batch, 0.3)))
 
 
-@pytest.mark.parametrize("backend", ["torch", "reference"])
-def test_store_kv_cache_skips_padding(backend: kernels.Backend) -> None:
+@pytest.mark.parametrize("backend,has_skips", [("torch", None), ("torch", True),
+                                               ("reference", None)])
+def test_store_kv_cache_skips_padding(backend: kernels.Backend, has_skips: bool | None
+                                      ) -> None:
     seq_lens, query_lens = random_mixed_lens(5, 2, max_seq_len=50, max_query_len=12, seed=9)
     batch = make_paged_batch(seq_lens, query_lens, num_kv_heads=2, head_dim=16,
                              num_pad_tokens=3)
@@ -130,7 +132,8 @@ def test_store_kv_cache_skips_padding(backend: kernels.Backend) -> None:
     key = torch.randn(num_tokens, 2, 16)
     value = torch.randn(num_tokens, 2, 16)
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend=backend)
+    kernels.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend=backend,
+                           has_skips=has_skips)
     expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
     for token_idx, slot in enumerate(batch.slot_mapping.tolist()):
         if slot >= 0:
