@@ -133,6 +133,8 @@ PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); \
 print(s.getsockname()[1])')
 export PDSERVE_BASE_IMAGE=$BASE_IMAGE PDSERVE_TAG=smoke PDSERVE_PUBLISH=127.0.0.1:$PORT \
   PDSERVE_KV_CACHE_MEMORY=512MiB PDSERVE_MAX_NUM_SEQS=8
+# The engines listen on the compose network: compose requires the internal token.
+export PDSERVE_INTERNAL_TOKEN=${PDSERVE_INTERNAL_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}
 log "compose build"
 mkdir -p "$LOGS"
 bounded "${COMPOSE[@]}" build >"$LOGS/build.log" 2>&1 \

@@ -49,6 +49,9 @@ class ServiceConfig:
     """If set, every PrefillService / DecodeService call must carry the gRPC metadata
     `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); grpc.health stays open.
     The decode service sends it on its FetchKV / ReleaseKV calls to prefill instances."""
+    allow_insecure_internal: bool = False
+    """Start without `internal_token` on a non-loopback `host` (anyone who reaches the port
+    may then call Prefill, FetchKV, Abort ...); refused otherwise."""
     stall_timeout: float = 30.0
     """Readiness: seconds the engine may go without completing a step while it has work
     queued before health turns NOT_SERVING (back to SERVING when steps resume); 0 disables."""
@@ -118,6 +121,10 @@ def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.Ar
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret every PrefillService/DecodeService call must carry as "
                         "`authorization: Bearer <token>` metadata (or PDSERVE_INTERNAL_TOKEN)")
+    g.add_argument("--allow-insecure-internal", action="store_true",
+                   default=_env("allow_insecure_internal", "") not in ("", "0", "false"),
+                   help="serve a non-loopback --host without --internal-token (refused "
+                        "otherwise)")
     g.add_argument("--stall-timeout", type=float,
                    default=float(_env("stall_timeout", d.stall_timeout)),
                    help="seconds without a completed engine step, with work queued, before "
@@ -156,11 +163,29 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
     if config.internal_token is not None and not _is_printable_ascii(config.internal_token):
         raise ValueError("--internal-token must be printable ASCII (it travels as gRPC "
                          "metadata)")
+    if not (config.internal_token or config.allow_insecure_internal
+            or is_loopback_host(config.host)):
+        raise ValueError(f"--host {config.host} is reachable from other machines and no "
+                         "--internal-token (PDSERVE_INTERNAL_TOKEN) is set: give one, bind "
+                         "127.0.0.1, or pass --allow-insecure-internal")
     if config.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
     if not 1 << 16 <= config.kv_chunk_bytes <= config.max_message_bytes - (64 << 10):
         raise ValueError("--kv-chunk-bytes must be in [64KiB, --max-message-bytes - 64KiB]")
     return config
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost (a bind address only this machine reaches)."""
+    import ipaddress
+
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_printable_ascii(text: str) -> bool:

@@ -116,6 +116,7 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
                     middleware=[cors, Middleware(GatewayMiddleware, api_key=config.api_key,
                                                  metrics=metrics,
                                                  routes=frozenset(r.path for r in ROUTES),
-                                                 protect_metrics=config.protect_metrics)])
+                                                 protect_metrics=config.protect_metrics,
+                                                 admin_api_key=config.admin_api_key)])
     app.state.gateway = gateway
     return app

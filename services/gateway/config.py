@@ -40,6 +40,9 @@ class GatewayConfig:
     """The accepted API keys (one, a tuple, or comma-separated); read them as `api_keys`.
     If any, every route but /health needs `Authorization: Bearer <one of them>`, and each
     key is a prefix-cache tenant (services/gateway/tenancy.py)."""
+    admin_api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
+    """The operator's key(s) for /debug/* (services/gateway/admin.py); a tenant key gets
+    403 there. None: those routes are open only when no --api-key is set either."""
     local_prefill_threshold: int = 0
     """Prompts whose uncached part is shorter than this go straight to a decode instance."""
     request_timeout: float = 600.0
@@ -99,6 +102,8 @@ class GatewayConfig:
                     raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
         if self.max_model_len is not None and not self.max_model_len > 0:
             raise ValueError(f"--max-model-len must be > 0, got {self.max_model_len}")
+        if set(split_api_keys(self.admin_api_key)) & set(split_api_keys(self.api_key)):
+            raise ValueError("--admin-api-key must differ from every --api-key")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
 
@@ -183,6 +188,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on shutdown")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret the prefill and decode services require")
+    g.add_argument("--admin-api-key", action="append", default=None,
+                   help="the operator's key for /debug/* (repeat or comma-separate; also "
+                        "PDSERVE_ADMIN_API_KEY); a tenant's --api-key gets 403 there")
     add_compat_args(parser)
     return parser
 
@@ -277,6 +285,7 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         prefill_urls=_split_urls(prefill), decode_urls=_split_urls(decode),
         redis_url=ns.redis_url or None,
         api_key=split_api_keys(ns.api_key or _env("api_key", None)) or None,
+        admin_api_key=split_api_keys(ns.admin_api_key or _env("admin_api_key", None)) or None,
         local_prefill_threshold=ns.local_prefill_threshold,
         request_timeout=ns.request_timeout, rpc_timeout=ns.rpc_timeout,
         max_body_size=ns.max_body_size, block_size=ns.block_size, log_level=ns.log_level,

@@ -2,7 +2,8 @@
 
 Calls GetState(check_invariants=True) on each instance the placer knows (registry and
 static lists) at once and reports, per instance, its block counts and whether its block
-pool's invariants hold. Behind the API key like every route but /health. Response:
+pool's invariants hold. An operator route: it needs the admin API key
+(services/gateway/admin.py). Response:
 
     {"object": "kv_audit", "ok": true,
      "totals": {"num_gpu_blocks": ..., "num_free_blocks": ..., ...},   # reachable ones
@@ -27,6 +28,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from services.gateway.admin import require_admin
 from services.gateway.backend import EngineBackend
 from services.gateway.placement import Placer
 
@@ -68,5 +70,6 @@ async def audit_instances(placer: Placer, backend: EngineBackend) -> dict:
 
 
 async def kv_audit(request: Request) -> Response:
+    require_admin(request)
     gw = request.app.state.gateway
     return JSONResponse(await audit_instances(gw.engine.placer, gw.backend))

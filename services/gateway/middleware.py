@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.admin import AdminGuard, is_admin_path, unauthorized
 from services.gateway.config import split_api_keys
 from services.gateway.errors import GatewayError, error_response
 from services.gateway.metrics import GatewayMetrics
@@ -39,14 +40,17 @@ PUBLIC_ROUTES = frozenset({"/health", "/ping", "/version", "/docs", "/openapi.js
 class GatewayMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | Sequence[str] | None,
                  metrics: GatewayMetrics, routes: frozenset[str],
-                 protect_metrics: bool = False) -> None:
+                 protect_metrics: bool = False,
+                 admin_api_key: str | Sequence[str] | None = None) -> None:
         """`api_key`: the accepted keys (one, several, or comma-separated; None: open).
-        `protect_metrics`: /metrics needs a key too."""
+        `protect_metrics`: /metrics needs a key too (a tenant's or the admin's).
+        `admin_api_key`: the operator's key(s) for /debug/* (services/gateway/admin.py)."""
         self.app = app
         self.public = PUBLIC_ROUTES - {"/metrics"} if protect_metrics else PUBLIC_ROUTES
         # (key bytes, the tenant's cache salt) per accepted key; the key itself goes nowhere.
         self._tenants = [(k.encode(), tenant_cache_salt(k))
                          for k in split_api_keys(api_key)]
+        self.admin = AdminGuard(admin_api_key, bool(self._tenants))
         self.metrics = metrics
         self.routes = routes
 
@@ -62,6 +66,21 @@ class GatewayMiddleware:
             if hmac.compare_digest(presented, key) and scheme.lower() == "bearer":
                 salt = tenant_salt
         return salt
+
+    def _refusal(self, path: str, headers: Headers, state: dict) -> GatewayError | None:
+        """The 401 / 403 for this request, or None; sets `tenant_cache_salt` and `is_admin`."""
+        if self._tenants:
+            state["tenant_cache_salt"] = self._tenant_salt(headers)
+        state["is_admin"] = self.admin.is_open or self.admin.is_admin(headers)
+        if is_admin_path(path):
+            return self.admin.check_admin_route(headers, bool(state["tenant_cache_salt"]))
+        if path in self.public:
+            return None
+        if path == "/metrics" and state["is_admin"]:  # --protect-metrics: the operator too
+            return None
+        if self._tenants and not state["tenant_cache_salt"]:
+            return self.admin.check_tenant_route(headers) or unauthorized()
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -92,11 +111,9 @@ class GatewayMiddleware:
 
         self.metrics.requests_running.inc()
         try:
-            if self._tenants:
-                state["tenant_cache_salt"] = self._tenant_salt(headers)
-            if self._tenants and path not in self.public and not state["tenant_cache_salt"]:
-                err = GatewayError("Invalid or missing API key.", 401)
-                await error_response(err, {"WWW-Authenticate": "Bearer"})(
+            err = self._refusal(path, headers, state)
+            if err is not None:
+                await error_response(err, getattr(err, "headers", None))(
                     scope, receive, send_with_id)
             else:
                 await self.app(scope, receive, send_with_id)

@@ -27,11 +27,13 @@ class UpConfig:
     port: int = 8000
     """The gateway's port, the only one meant for clients."""
     api_key: str | None = None
+    admin_api_key: str | None = field(default=None, repr=False)
+    """The operator's key for the gateway's /debug/* routes (services/gateway/admin.py)."""
     gateway_flags: tuple[str, ...] = ()
     """Extra `pdserve serve gateway` flags (queue bounds, retries, local-prefill threshold)."""
     internal_token: str | None = field(default=None, repr=False)
     """Shared secret the prefill and decode services require and the gateway (and decode,
-    to prefill) sends; None: the internal gRPC calls carry no token."""
+    to prefill) sends; None here: `pdserve up` generates a random one per launch."""
     num_prefill: int = 1
     num_decode: int = 1
     cpu_cores: tuple[int, ...] = ()
@@ -125,6 +127,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8000, help="gateway port")
     g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` (or set PDSERVE_API_KEY)")
+    g.add_argument("--admin-api-key", default=os.environ.get("PDSERVE_ADMIN_API_KEY"),
+                   help="the operator's key for /debug/* (or set PDSERVE_ADMIN_API_KEY)")
     for flag, kind, text in _GATEWAY_FLAGS:
         g.add_argument(f"--{flag}", type=kind, default=None,
                        help=text + " (passed to the gateway; default: the gateway's)")
@@ -133,7 +137,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("launcher")
     g.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
                    help="shared secret for the gRPC calls between the gateway, prefill and "
-                        "decode (or set PDSERVE_INTERNAL_TOKEN); default: none")
+                        "decode (or set PDSERVE_INTERNAL_TOKEN); default: a random one per launch")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill replicas")
     g.add_argument("--num-decode", type=int, default=1, help="decode replicas")
     g.add_argument("--prefill-cpu-cores", default=None,
@@ -165,6 +169,7 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     config = UpConfig(
         engine_args=dataclasses.replace(engine_args, cpu_cores="", core_share=""),
         host=ns.host, port=ns.port, api_key=ns.api_key or None,
+        admin_api_key=ns.admin_api_key or None,
         gateway_flags=_gateway_flags(ns), internal_token=ns.internal_token or None,
         num_prefill=ns.num_prefill, num_decode=ns.num_decode,
         cpu_cores=parse_cores(engine_args.cpu_cores),

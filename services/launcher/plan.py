@@ -35,6 +35,7 @@ ProbeKind = Literal["redis", "grpc", "http"]
 _PER_INSTANCE_ENV = ("PDSERVE_HOST", "PDSERVE_PORT", "PDSERVE_METRICS_PORT",
                      "PDSERVE_INSTANCE_ID", "PDSERVE_ADVERTISE_ADDRESS", "PDSERVE_REDIS_URL",
                      "PDSERVE_PREFILL_URL", "PDSERVE_DECODE_URL", "PDSERVE_API_KEY",
+                     "PDSERVE_ADMIN_API_KEY",
                      "PDSERVE_CPU_CORES", "PDSERVE_INTERNAL_TOKEN")
 
 
@@ -189,6 +190,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
         argv += ["--max-model-len", str(args.max_model_len)]
     argv += list(config.gateway_flags)
     env = {"PDSERVE_API_KEY": config.api_key} if config.api_key else {}
+    if config.admin_api_key:
+        env["PDSERVE_ADMIN_API_KEY"] = config.admin_api_key
     env.update(token_env)
     children.append(ChildSpec("gateway", tuple(argv), Probe("http", gateway_url + "/health"),
                               stage=0, ports=(config.port,), env=env))

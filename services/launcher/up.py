@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -223,6 +224,14 @@ def curl_line(url: str, model: str, api_key: str | None) -> str:
             f"-d {shlex.quote(body)}")
 
 
+def with_internal_token(config: UpConfig) -> UpConfig:
+    """`config` with a random internal token (256 bits, never printed) unless it has one:
+    each launch's services accept only their own launcher's children."""
+    if config.internal_token:
+        return config
+    return dataclasses.replace(config, internal_token=secrets.token_urlsafe(32))
+
+
 def _port_in_use(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
@@ -279,6 +288,7 @@ def main(ns: argparse.Namespace) -> int:
     def say(message: str) -> None:
         sink.write(NAME, message)
 
+    config = with_internal_token(config)
     try:
         config = _claim_cores(config, say)
     except SetupError as e:

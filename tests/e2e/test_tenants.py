@@ -29,6 +29,7 @@ from tests.services.helpers import (
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 KEY_A, KEY_B = "sk-tenant-a-e2e", "sk-tenant-b-e2e"
+ADMIN = "sk-operator-e2e"
 SALT_A, SALT_B = tenant_cache_salt(KEY_A), tenant_cache_salt(KEY_B)
 PROMPT_TOKENS = 420
 WORDS = "river mountain lantern violet copper harbor meadow silent orange falcon".split()
@@ -61,7 +62,7 @@ async def tenant_gateway(model_path, redis_cluster, redis_server
                 (redis_cluster.decode.identity.address,))
     async with running_gateway(
             model_path, urls,  # type: ignore[arg-type]
-            api_key=f"{KEY_A},{KEY_B}", redis_url=redis_server.url,
+            api_key=f"{KEY_A},{KEY_B}", admin_api_key=ADMIN, redis_url=redis_server.url,
             served_model_name=redis_cluster.prefill.worker.model_name,
             rpc_timeout=10.0) as gw:
         registry = gw.app.state.gateway.engine.placer.registry
@@ -147,7 +148,8 @@ async def test_kv_audit_on_real_instances(tenant_gateway, redis_cluster):
     gw, _ = tenant_gateway
     states = await wait_leak_free(redis_cluster)
     assert (await gw.http.get("/debug/kv-audit")).status_code == 401
-    r = await gw.http.get("/debug/kv-audit", headers=_bearer(KEY_B), timeout=60)
+    assert (await gw.http.get("/debug/kv-audit", headers=_bearer(KEY_B))).status_code == 403
+    r = await gw.http.get("/debug/kv-audit", headers=_bearer(ADMIN), timeout=60)
     assert r.status_code == 200, r.text
     report = r.json()
     MEASURED["audit"] = report

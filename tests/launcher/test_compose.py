@@ -31,16 +31,36 @@ def _compose_binary() -> Path:
     return binary
 
 
-def _config(*args: str, env: dict[str, str] | None = None) -> dict:
-    # Unset variables take their defaults from compose.yaml, not from this environment.
+TOKEN = "compose-test-token-0123456789"
+
+
+def _run_config(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # Unset variables take their defaults from compose.yaml, not from this environment;
+    # --env-file /dev/null: a developer's .env must not change what is checked.
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith(("PDSERVE_", "COMPOSE_", "DOCKER_"))}
-    done = subprocess.run([str(_compose_binary()), "-f", str(ROOT / "compose.yaml"),
-                           "--project-directory", str(ROOT), *args, "config", "--format",
-                           "json"], capture_output=True, text=True, timeout=120,
-                          env={**clean, **(env or {})})
+    return subprocess.run([str(_compose_binary()), "-f", str(ROOT / "compose.yaml"),
+                           "--project-directory", str(ROOT), "--env-file", os.devnull, *args,
+                           "config", "--format", "json"], capture_output=True, text=True,
+                          timeout=120, env={**clean, **env})
+
+
+def _config(*args: str, env: dict[str, str] | None = None) -> dict:
+    done = _run_config(*args, env={"PDSERVE_INTERNAL_TOKEN": TOKEN, **(env or {})})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def test_the_internal_token_is_required_and_reaches_every_service():
+    """The engines listen on the compose network (--host 0.0.0.0): without a token compose
+    refuses to start at all, naming the variable; with one, all three get the same."""
+    done = _run_config(env={})
+    assert done.returncode != 0 and "PDSERVE_INTERNAL_TOKEN" in done.stderr, done.stderr
+    services = _config(env={"PDSERVE_ADMIN_API_KEY": "sk-admin"})["services"]
+    for name in (*ENGINES, "gateway"):
+        assert services[name]["environment"]["PDSERVE_INTERNAL_TOKEN"] == TOKEN, name
+    assert services["gateway"]["environment"]["PDSERVE_ADMIN_API_KEY"] == "sk-admin"
+    assert "PDSERVE_ADMIN_API_KEY" not in services["prefill"]["environment"]
 
 
 def test_compose_binary_is_v2():

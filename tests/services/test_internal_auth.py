@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ from services.common.config import ServiceConfig, add_service_args, config_from_
 from services.gateway.config import add_cli_args as add_gateway_args
 from services.launcher.config import UpConfig
 from services.launcher.plan import build_plan
+from services.launcher.up import with_internal_token
 from shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
 from shared.engine_args import EngineArgs
 from shared.proto import engine_pb2 as pb
@@ -53,7 +55,8 @@ def test_services_and_gateway_bind_loopback_unless_told_otherwise(monkeypatch):
     for role in ("prefill", "decode"):
         ns = add_service_args(argparse.ArgumentParser(), role).parse_args([])
         assert config_from_args(ns, role).host == "127.0.0.1"
-        ns = add_service_args(argparse.ArgumentParser(), role).parse_args(["--host", "0.0.0.0"])
+        ns = add_service_args(argparse.ArgumentParser(), role).parse_args(
+            ["--host", "0.0.0.0", "--internal-token", TOKEN])
         assert config_from_args(ns, role).host == "0.0.0.0"
     assert add_gateway_args(argparse.ArgumentParser()).parse_args([]).host == "127.0.0.1"
 
@@ -108,10 +111,41 @@ def test_compose_binds_every_interface_and_forwards_the_token():
         command = s["command"]
         assert command[command.index("--host") + 1] == "0.0.0.0", name
     text = (ROOT / "compose.yaml").read_text()
-    # The engines' shared environment (a YAML anchor) and the gateway's.
-    assert text.count("PDSERVE_INTERNAL_TOKEN: ${PDSERVE_INTERNAL_TOKEN:-}") == 2
-    assert services["gateway"]["environment"]["PDSERVE_INTERNAL_TOKEN"] == \
-        "${PDSERVE_INTERNAL_TOKEN:-}"
+    # The engines' shared environment (a YAML anchor) and the gateway's: required (`:?`).
+    required = "${PDSERVE_INTERNAL_TOKEN:?set PDSERVE_INTERNAL_TOKEN in .env}"
+    assert text.count(f"PDSERVE_INTERNAL_TOKEN: {required}") == 2
+    assert services["gateway"]["environment"]["PDSERVE_INTERNAL_TOKEN"] == required
+
+
+def test_pdserve_up_makes_a_random_token_per_launch():
+    config = UpConfig(engine_args=EngineArgs(kv_cache_memory="256MiB"), cpu_cores=(0, 1))
+    first, second = with_internal_token(config), with_internal_token(config)
+    assert first.internal_token and second.internal_token
+    assert first.internal_token != second.internal_token and len(first.internal_token) >= 40
+    given = dataclasses.replace(config, internal_token=TOKEN)
+    assert with_internal_token(given).internal_token == TOKEN
+    plan = build_plan(first, "/m", "m", python="py")
+    assert {c.env.get("PDSERVE_INTERNAL_TOKEN") for c in plan.children
+            if c.name != "redis"} == {first.internal_token}
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "prefill.internal"])
+def test_an_engine_on_a_reachable_address_needs_a_token(monkeypatch, host):
+    monkeypatch.delenv("PDSERVE_INTERNAL_TOKEN", raising=False)
+    monkeypatch.delenv("PDSERVE_ALLOW_INSECURE_INTERNAL", raising=False)
+    for role in ("prefill", "decode"):
+        parse = add_service_args(argparse.ArgumentParser(), role).parse_args
+        with pytest.raises(ValueError, match="--allow-insecure-internal"):
+            config_from_args(parse(["--host", host]), role)
+        assert config_from_args(parse(["--host", host, "--internal-token", TOKEN]), role)
+        config = config_from_args(parse(["--host", host, "--allow-insecure-internal"]), role)
+        assert config.allow_insecure_internal and config.internal_token is None
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        parse = add_service_args(argparse.ArgumentParser(), "decode").parse_args
+        assert config_from_args(parse(["--host", loopback]), "decode").internal_token is None
+    monkeypatch.setenv("PDSERVE_ALLOW_INSECURE_INTERNAL", "1")
+    parse = add_service_args(argparse.ArgumentParser(), "prefill").parse_args
+    assert config_from_args(parse(["--host", host]), "prefill").allow_insecure_internal
 
 
 # -- real services with a token --------------------------------------------------------------
@@ -129,7 +163,8 @@ async def secured(model_path):
             prefill=prefill, decode=decode,
             prefill_stub=engine_pb2_grpc.PrefillServiceStub(channels[0]),
             decode_stub=engine_pb2_grpc.DecodeServiceStub(channels[1]),
-            health=[health_pb2_grpc.HealthStub(c) for c in channels])
+            health=[health_pb2_grpc.HealthStub(c) for c in channels],
+            channels=dict(zip(("PrefillService", "DecodeService"), channels, strict=True)))
     finally:
         for c in channels:
             await c.close()
@@ -139,18 +174,36 @@ async def secured(model_path):
 def _calls(s, metadata) -> dict[str, object]:
     """One call of every PrefillService and DecodeService method (awaitables)."""
     kw = {"timeout": RPC_TIMEOUT, "metadata": metadata}
-    return {
-        "Prefill": s.prefill_stub.Prefill(pb.PrefillRequest(
+    p, d = s.prefill_stub, s.decode_stub
+    calls = {
+        "PrefillService.Prefill": p.Prefill(pb.PrefillRequest(
             request_id="a", prompt_token_ids=[1, 2, 3], sampling_params=greedy(2)), **kw),
-        "FetchKV": _collect(s.prefill_stub.FetchKV(pb.FetchKVRequest(request_id="a"), **kw)),
-        "ReleaseKV": s.prefill_stub.ReleaseKV(pb.ReleaseKVRequest(request_id="a"), **kw),
-        "Prefill.Abort": s.prefill_stub.Abort(pb.AbortRequest(request_ids=["a"]), **kw),
-        "Prefill.GetState": s.prefill_stub.GetState(pb.GetStateRequest(), **kw),
-        "Generate": _collect(s.decode_stub.Generate(pb.DecodeRequest(
+        "PrefillService.FetchKV": _collect(p.FetchKV(pb.FetchKVRequest(request_id="a"), **kw)),
+        "PrefillService.ReleaseKV": p.ReleaseKV(pb.ReleaseKVRequest(request_id="a"), **kw),
+        "PrefillService.Abort": p.Abort(pb.AbortRequest(request_ids=["a"]), **kw),
+        "PrefillService.GetState": p.GetState(pb.GetStateRequest(), **kw),
+        "DecodeService.Generate": _collect(d.Generate(pb.DecodeRequest(
             request_id="a", prompt_token_ids=[1, 2, 3], sampling_params=greedy(2)), **kw)),
-        "Decode.Abort": s.decode_stub.Abort(pb.AbortRequest(request_ids=["a"]), **kw),
-        "Decode.GetState": s.decode_stub.GetState(pb.GetStateRequest(), **kw),
+        "DecodeService.Abort": d.Abort(pb.AbortRequest(request_ids=["a"]), **kw),
+        "DecodeService.GetState": d.GetState(pb.GetStateRequest(), **kw),
     }
+    # Any other method the proto declares: called with its default request message.
+    for svc, ch in s.channels.items():
+        for m in pb.DESCRIPTOR.services_by_name[svc].methods:
+            if f"{svc}.{m.name}" not in calls:
+                calls[f"{svc}.{m.name}"] = _default_call(ch, m, kw)
+    return calls
+
+
+def _default_call(ch: grpc.aio.Channel, method, kw: dict):
+    """Call `method` (a MethodDescriptor) with an empty request, unary or server-streamed."""
+    request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    codec = {"request_serializer": request.SerializeToString,
+             "response_deserializer": response.FromString}
+    if method.server_streaming:
+        return _collect(ch.unary_stream(path, **codec)(request(), **kw))
+    return ch.unary_unary(path, **codec)(request(), **kw)
 
 
 @session_loop
@@ -160,6 +213,10 @@ def _calls(s, metadata) -> dict[str, object]:
     ids=["none", "wrong", "no-bearer", "longer", "other-key"])
 async def test_every_method_refuses_a_call_without_the_token(secured, metadata):
     calls = _calls(secured, metadata)
+    # Every method of both services, as the proto declares them.
+    declared = {f"{svc}.{m.name}" for svc in ("PrefillService", "DecodeService")
+                for m in pb.DESCRIPTOR.services_by_name[svc].methods}
+    assert set(calls) == declared, declared ^ set(calls)
     for name, call in calls.items():
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call

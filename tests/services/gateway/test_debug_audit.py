@@ -1,6 +1,6 @@
 """GET /debug/kv-audit against fake engines: every known instance is asked for its state
 with check_invariants set; a broken pool and an unreachable instance turn `ok` false and
-are reported with their errors; the route is behind the API key."""
+are reported with their errors; the route needs the admin API key."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tests.services.helpers import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-KEY = "sk-audit"
+KEY = "sk-audit-tenant"
+ADMIN = "sk-audit-admin"
 AUDIT = "/debug/kv-audit"
 BROKEN_STATE = dict(instance_id="decode-broken", role="decode", model="fake-model",
                     num_gpu_blocks=64, num_free_blocks=50, num_cached_blocks=7,
@@ -46,14 +47,16 @@ async def broken():
 
 
 async def _audit(gw) -> dict:
-    r = await gw.http.get(AUDIT, headers={"Authorization": f"Bearer {KEY}"})
+    r = await gw.http.get(AUDIT, headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 async def test_audit_of_healthy_instances(make_gateway, cluster):
-    gw = await make_gateway(api_key=KEY)
+    gw = await make_gateway(api_key=KEY, admin_api_key=ADMIN)
     assert_error_object(await gw.http.get(AUDIT), 401)
+    tenant = await gw.http.get(AUDIT, headers={"Authorization": f"Bearer {KEY}"})
+    assert assert_error_object(tenant, 403)["type"] == "PermissionDeniedError"
     report = await _audit(gw)
     assert report["object"] == "kv_audit" and report["ok"] is True
     by_role = {i["role"]: i for i in report["instances"]}
@@ -70,8 +73,8 @@ async def test_audit_of_healthy_instances(make_gateway, cluster):
 
 async def test_broken_and_unreachable_instances_are_reported(make_gateway, cluster, broken):
     dead = f"127.0.0.1:{free_port()}"
-    gw = await make_gateway(api_key=KEY, decode_urls=cluster.decode_urls + (broken.address,
-                                                                            dead))
+    gw = await make_gateway(api_key=KEY, admin_api_key=ADMIN,
+                            decode_urls=cluster.decode_urls + (broken.address, dead))
     broken.requests.clear()
     report = await _audit(gw)
     assert report["ok"] is False
@@ -97,7 +100,8 @@ async def test_broken_and_unreachable_instances_are_reported(make_gateway, clust
 
 
 async def test_audit_without_instances_is_not_ok(make_gateway):
-    gw = await make_gateway(api_key=KEY, prefill_urls=(), decode_urls=(), max_model_len=2048)
+    gw = await make_gateway(api_key=KEY, admin_api_key=ADMIN, prefill_urls=(), decode_urls=(),
+                            max_model_len=2048)
     report = await _audit(gw)
     assert report == {"object": "kv_audit", "ok": False, "instances": [],
                       "totals": dict.fromkeys(report["totals"], 0)}
