@@ -51,6 +51,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from shared.engine_args import EngineArgs, parse_cores
 
     role = ns.serve_role
+    if _crashes_once(role):
+        return 3
     try:
         config = config_from_args(ns, role)
         engine_args = EngineArgs.from_cli_args(ns)
@@ -65,6 +67,24 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     logger.info("%s service config: %s", role, config)
     runtime = build_runtime(config, engine_args)
     return asyncio.run(runtime.serve_forever())
+
+
+def _crashes_once(role: str) -> bool:
+    """Test hook (env PDSERVE_TEST_CRASH_ONCE=ROLE:MARKER only; off by default): the first
+    start of a ROLE service that finds no MARKER file creates it and exits 3 before it is
+    ready, so a launcher's restart of a child that never came up can be tested."""
+    import os
+
+    wanted, _, marker = os.environ.get("PDSERVE_TEST_CRASH_ONCE", "").partition(":")
+    if wanted != role or not marker:
+        return False
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    print(f"test hook PDSERVE_TEST_CRASH_ONCE: this {role} exits on its first start",
+          flush=True)
+    return True
 
 
 def _cmd_serve_gateway(ns: argparse.Namespace) -> int:

@@ -117,6 +117,14 @@ def normalize_argv(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from services.common.env_check import check_environment
+
+    bad_env = check_environment(os.environ, build_parser)
+    if bad_env is not None:  # one line, before a parser reads the value as a default
+        print(f"error: {bad_env}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, log_level = normalize_argv(sys.argv[1:] if argv is None else list(argv))
     ns = parser.parse_args(args)

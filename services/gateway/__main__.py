@@ -76,6 +76,14 @@ def _make_server(config, notice, grace: float):
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    from services.common.env_check import check_environment
+
+    bad_env = check_environment(os.environ, build_parser)
+    if bad_env is not None:
+        print(f"error: {bad_env}", file=sys.stderr)
+        return 2
     return run(build_parser().parse_args(argv))
 
 

@@ -20,11 +20,14 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 _PR_SET_PDEATHSIG = 1
 _COLORS = ("36", "32", "33", "35", "34", "31", "96", "92", "93", "95")
+LAST_LINES = 12
+"""Lines of a child's output kept to say why it died (`ChildProcess.last_lines`)."""
 
 
 def _death_signal_setup() -> Callable[[], None] | None:
@@ -90,6 +93,7 @@ class ChildProcess:
         self.sink = sink
         self.proc: subprocess.Popen[bytes] | None = None
         self._pump: threading.Thread | None = None
+        self._last: deque[str] = deque(maxlen=LAST_LINES)
 
     @property
     def pid(self) -> int | None:
@@ -102,6 +106,7 @@ class ChildProcess:
             if self.proc.poll() is None:
                 raise RuntimeError(f"{self.name} is still running")
             self.join_output()  # its last lines first
+        self._last.clear()
         self.proc = subprocess.Popen(
             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
@@ -115,8 +120,16 @@ class ChildProcess:
         for raw in iter(self.proc.stdout.readline, b""):
             # A progress bar redraws with \r: show its latest state only.
             line = raw.decode("utf-8", "replace").rstrip("\r\n").rsplit("\r", 1)[-1]
+            self._last.append(line)
             self.sink.write(self.name, line)
         self.proc.stdout.close()
+
+    def last_lines(self) -> list[str]:
+        """The last LAST_LINES lines the current (or last) run wrote, oldest first; waits
+        briefly for the output of a run that has exited to be read to its end."""
+        if self.proc is not None and self.proc.poll() is not None:
+            self.join_output(1.0)
+        return list(self._last)
 
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()

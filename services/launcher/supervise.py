@@ -1,6 +1,7 @@
 """Supervisor: after startup, what the launcher does when a child exits on its own.
 
-    prefill / decode exits ─▶ log the code ─▶ backoff (1, 2, 4 ... 30 s; reset after 60 s up)
+    prefill / decode exits (before its first ready too) ─▶ log the code and its last lines
+      ─▶ backoff (1, 2, 4 ... 30 s; reset after 60 s up)
       ─▶ its ports free? ── no ─▶ next backoff
                    └─ yes ─▶ start it again (same argv, env, ports, cores) ─▶ "ready again"
     gateway / redis exits (or any child with restarts off) ─▶ stop everything
@@ -31,6 +32,7 @@ class Child(Protocol):
     def poll(self) -> int | None: ...
     def start(self) -> None: ...
     def kill(self) -> None: ...
+    def last_lines(self) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,8 @@ class _Entry:
     """When a dead child is due to start again; None while it runs."""
     died_at: float | None = None
     """When it first exited in the current outage (cleared once it is healthy again)."""
+    ever_ready: bool = False
+    """Its health check passed once (set by `mark_ready` or a recovery)."""
 
 
 class Supervisor:
@@ -66,10 +70,11 @@ class Supervisor:
                  backoff: Backoff = Backoff(),
                  busy_ports: Callable[[tuple[int, ...]], list[int]] = lambda ports: [],
                  healthy: Callable[[Child], bool] = lambda child: True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ready: bool = True) -> None:
         """`children`: (child, its ports, may it be restarted) for every started child;
         `busy_ports(ports)`: those still bound by someone; `healthy(child)`: its health
-        check passes (asked only while a restarted child recovers)."""
+        check passes (asked only while a restarted child recovers); `ready`: the children
+        have passed their first health check (False: the launcher calls `mark_ready`)."""
         self.say = say
         self.restart = restart
         self.backoff = backoff
@@ -77,9 +82,20 @@ class Supervisor:
         self.healthy = healthy
         self.clock = clock
         now = clock()
-        self._entries = [_Entry(c, tuple(p), r, now) for c, p, r in children]
+        self._entries = [_Entry(c, tuple(p), r, now, ever_ready=ready)
+                         for c, p, r in children]
         self.restarts = 0
         """Children started again so far."""
+
+    def mark_ready(self, child: Child) -> None:
+        """The launcher saw `child` pass its first health check."""
+        for e in self._entries:
+            if e.child is child:
+                e.ever_ready = True
+
+    def is_down(self, child: Child) -> bool:
+        """`child` exited and waits out its backoff (not running now)."""
+        return any(e.child is child and e.restart_at is not None for e in self._entries)
 
     def tick(self) -> str | None:
         """One pass over the children: reap, schedule, restart. Returns why everything must
@@ -96,12 +112,24 @@ class Supervisor:
                     self.say(f"{e.child.name} is ready again, "
                              f"{self.clock() - e.died_at:.1f} s after it exited")
                     e.died_at = None
+                    e.ever_ready = True
                 continue
+            when = "" if e.ever_ready else " before it was ready"
+            why = f"{e.child.name} exited unexpectedly with code {code}{when}"
+            self._say_last_lines(e.child)
             if not (self.restart and e.restartable):
-                return f"{e.child.name} exited unexpectedly with code {code}; stopping everything"
+                return f"{why}; stopping everything"
             e.child.kill()  # whatever it left behind in its process group (it may hold ports)
-            self._schedule(e, now, f"{e.child.name} exited unexpectedly with code {code}")
+            self._schedule(e, now, why)
         return None
+
+    def _say_last_lines(self, child: Child) -> None:
+        """Why it died, as far as its own output tells: its last lines, quoted."""
+        lines = getattr(child, "last_lines", lambda: [])()
+        if lines:
+            self.say(f"{child.name}'s last {len(lines)} log lines:")
+            for line in lines:
+                self.say(f"  | {line}")
 
     def _schedule(self, e: _Entry, now: float, why: str) -> None:
         if e.died_at is None:

@@ -3,9 +3,10 @@ health check passes, print the URL and a curl line, and stop them all on Ctrl-C 
 
     prereqs (redis-server, model) ─▶ redis ─▶ engines + gateway ─▶ all healthy ─▶ banner
     ─▶ run until a signal or the death of the gateway or Redis (a prefill or decode replica
-    that dies is started again with a backoff, see supervise.py; --no-restart-engines: any
-    death stops everything) ─▶ stop stage by stage (SIGTERM to each group, one
-    --shutdown-timeout deadline for all) ─▶ SIGKILL what is left ─▶ exit
+    that dies, before its first ready too, is started again with a backoff and its last log
+    lines are quoted, see supervise.py; --no-restart-engines: any death stops everything)
+    ─▶ stop stage by stage (SIGTERM to each group, one --shutdown-timeout deadline for all)
+    ─▶ SIGKILL what is left ─▶ exit
 
 A second Ctrl-C kills everything at once.
 """
@@ -62,6 +63,15 @@ class Launcher:
         self._num_signals = 0
         self._signal_name = ""
         self._failed = False
+        probes = {child.name: spec.probe for spec, child in self.children}
+        # NOTE: one supervisor from the first start on: a replica that dies before it was
+        # ever ready is restarted under the same backoff as a later death.
+        self.supervisor = Supervisor(
+            [(child, spec.ports, spec.name.rsplit("-", 1)[0] in RESTARTABLE_ROLES)
+             for spec, child in self.children],
+            self.say, restart=config.restart_engines, backoff=backoff,
+            busy_ports=lambda ports: [p for p in ports if _port_in_use("127.0.0.1", p)],
+            healthy=lambda child: self.prober.check(probes[child.name]), ready=False)
 
     def say(self, message: str) -> None:
         self.sink.write(NAME, message)
@@ -114,18 +124,20 @@ class Launcher:
             if self._stop.is_set():
                 return False
             engines_pending = any(s.probe.kind == "grpc" for s, _ in pending)
+            reason = self.supervisor.tick()  # reaps, restarts a replica when it is due
+            if reason is not None:
+                self.say(reason)
+                self._failed = True
+                return False
             for spec, child in list(pending):
-                code = child.poll()
-                if code is not None:
-                    self.say(f"{spec.name} exited with code {code} before it was ready "
-                             "(its log lines above say why); stopping everything")
-                    self._failed = True
-                    return False
+                if self.supervisor.is_down(child) or child.poll() is not None:
+                    continue  # waits out its backoff (a fatal exit ends the wait above)
                 # The gateway's /health needs SERVING engines: ask it only after them.
                 if spec.probe.kind == "http" and engines_pending:
                     continue
                 if self.prober.check(spec.probe):
                     self.say(f"{spec.name} is ready ({time.monotonic() - t0:.1f} s)")
+                    self.supervisor.mark_ready(child)
                     pending.remove((spec, child))
             if pending and time.monotonic() > deadline:
                 names = ", ".join(s.name for s, _ in pending)
@@ -138,13 +150,7 @@ class Launcher:
         return True
 
     def _wait_until_stopped(self) -> None:
-        probes = {child.name: spec.probe for spec, child in self.children}
-        supervisor = Supervisor(
-            [(child, spec.ports, spec.name.rsplit("-", 1)[0] in RESTARTABLE_ROLES)
-             for spec, child in self.children],
-            self.say, restart=self.config.restart_engines, backoff=self.backoff,
-            busy_ports=lambda ports: [p for p in ports if _port_in_use("127.0.0.1", p)],
-            healthy=lambda child: self.prober.check(probes[child.name]))
+        supervisor = self.supervisor
         # NOTE: ticks run here, in the main thread (see supervise.py); a signal during a
         # backoff ends the loop before the child is due, so it is not started again.
         while not self._stop.wait(_POLL):

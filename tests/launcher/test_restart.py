@@ -6,6 +6,7 @@ everything."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -27,6 +28,11 @@ SERVER = textwrap.dedent("""
         def log_message(self, *args):
             pass
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    marker = os.environ.get("CRASH_ONCE_" + sys.argv[1])
+    if marker and not os.path.exists(marker):  # the first start dies before it is ready
+        open(marker, "w").close()
+        print("cannot start: the test says so", flush=True)
+        sys.exit(3)
     server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
     print("serving pid", os.getpid(), flush=True)
     server.serve_forever()
@@ -83,14 +89,19 @@ def _reaped(pid: int, parent: int) -> bool:
 class Run:
     """One launcher subprocess; its output collected in `log`."""
 
-    def __init__(self, tmp_path: Path, initial_backoff: float) -> None:
+    def __init__(self, tmp_path: Path, initial_backoff: float, crash_once: str = "") -> None:
+        """`crash_once`: the child ("decode-0" or "gateway") whose first start fails."""
         decode, gateway = _free_ports(2)
         self.log = tmp_path / f"launcher-{decode}.log"
+        env = dict(os.environ)
+        if crash_once:
+            port = decode if crash_once == "decode-0" else gateway
+            env[f"CRASH_ONCE_{port}"] = str(tmp_path / f"crashed-{port}")
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", LAUNCHER, SERVER,
                  json.dumps({"decode-0": decode, "gateway": gateway}), str(initial_backoff)],
-                stdout=out, stderr=subprocess.STDOUT)
+                stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def text(self) -> str:
         return self.log.read_text()
@@ -114,7 +125,8 @@ class Run:
 @pytest.fixture
 def runs(tmp_path):
     started: list[Run] = []
-    yield lambda initial: started.append(Run(tmp_path, initial)) or started[-1]
+    yield lambda initial, crash_once="": started.append(
+        Run(tmp_path, initial, crash_once)) or started[-1]
     for run in started:
         run.close()
 
@@ -125,10 +137,13 @@ def test_a_killed_decode_is_reaped_and_started_again(runs):
     [old] = run.pids("decode-0")
     [gateway] = run.pids("gateway")
     subprocess.run(["kill", "-9", str(old)], check=True)
-    run.wait_line("serving pid", count=3)  # the new decode's line, with its prefix
+    run.wait_line("[decode-0] serving pid", count=2)  # the new decode's line, with its prefix
     [_, new] = run.pids("decode-0")
     run.wait_line("[pdserve]  decode-0 is ready again")
     text = run.text()
+    # Why it died, as far as its output tells: its last lines, quoted.
+    assert f"[pdserve]  decode-0's last 1 log lines:\n[pdserve]    | serving pid {old}\n" \
+        in text, text
     assert "[pdserve]  decode-0 exited unexpectedly with code -9; restarting it in 0.5 s " \
            "(restart 1 in a row)" in text, text
     assert "[pdserve]  restarting decode-0" in text
@@ -168,3 +183,28 @@ def test_the_gateway_dying_stops_everything(runs):
     assert "gateway exited unexpectedly with code -9; stopping everything" in text, text
     assert "stopped: decode-0 exit 0, gateway ended by SIGKILL" in text, text
     assert not _alive(decode) and len(run.pids("gateway")) == 1
+
+
+def test_a_decode_dying_before_it_was_ready_is_started_again(runs):
+    """The same backoff as a later death; the launcher quotes the child's last lines."""
+    run = runs(0.5, crash_once="decode-0")
+    run.wait_line("Stop with Ctrl-C.")
+    text = run.text()
+    assert "[pdserve]  decode-0 exited unexpectedly with code 3 before it was ready; " \
+           "restarting it in 0.5 s (restart 1 in a row)" in text, text
+    assert "[pdserve]  decode-0's last 1 log lines:\n" \
+           "[pdserve]    | cannot start: the test says so\n" in text, text
+    assert len(run.pids("decode-0")) == 1 and "stopping everything" not in text
+    assert text.index("restarting decode-0") < text.index("pdserve is ready")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(20) == 0, run.text()
+
+
+def test_a_gateway_dying_before_it_was_ready_stops_everything(runs):
+    run = runs(0.5, crash_once="gateway")
+    assert run.proc.wait(30) == 1
+    text = run.text()
+    assert "[pdserve]  gateway exited unexpectedly with code 3 before it was ready; " \
+           "stopping everything" in text, text
+    assert "[pdserve]    | cannot start: the test says so" in text, text
+    assert "pdserve is ready" not in text

@@ -163,7 +163,9 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
            "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "8",
            "--api-key", API_KEY, "--shutdown-timeout", "60",
            "--startup-timeout", str(STARTUP_TIMEOUT)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+    # The prefill dies on its first start (a test hook): `up` starts it again and comes up.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1",
+           "PDSERVE_TEST_CRASH_ONCE": f"prefill:{tmp_path / 'prefill-crashed'}"}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -171,6 +173,9 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
         _wait_for(lambda: _health_ok(url + "/health"), proc, log, "gateway /health")
         _wait_for(lambda: "Stop with Ctrl-C." in log.read_text(), proc, log, "ready banner")
         text = log.read_text()
+        assert "prefill-0 exited unexpectedly with code 3 before it was ready; restarting " \
+               "it in 1 s (restart 1 in a row)" in text, text
+        assert "| test hook PDSERVE_TEST_CRASH_ONCE: this prefill exits" in text, text
         banner = text[text.index("pdserve is ready"):]
         ports = {int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", banner)}
         assert port in ports and len(ports) == 6, banner  # gateway, redis, 2 gRPC, 2 metrics
