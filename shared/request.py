@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.sampling_params import SamplingParams
 
@@ -85,6 +86,9 @@ class Request:
     filled by the model runner as the prompt is computed (shared/engine/prompt_logprobs.py)."""
     prompt_logprobs_sent: bool = False
     """The engine core handed `prompt_logprobs` out (with the first output)."""
+    structured_output: Any = None
+    """A guided request's grammar matcher (shared/structured_output/request.py), set when
+    the engine adds it; None for an unguided request."""
 
     @property
     def num_prompt_tokens(self) -> int:

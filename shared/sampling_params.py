@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shared.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -56,6 +58,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """OpenAI logit_bias: token id -> value added to its logit before sampling (greedy
     too; logprobs stay those of the raw logits, as vLLM's)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (vLLM's name); the
+    request ends when the grammar does (EOS allowed only where it accepts)."""
 
     def __post_init__(self) -> None:
         self._verify()
@@ -93,6 +98,10 @@ class SamplingParams:
             for token_id, bias in self.logit_bias.items():
                 _check_int("logit_bias token id", token_id, lo=0)
                 _check_float("logit_bias", bias)
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:

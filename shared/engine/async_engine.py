@@ -63,6 +63,9 @@ class AsyncEngine:
         Raises ValueError (bad input) before yielding anything. If the consumer stops
         early (cancelled, closed), the request is aborted and its blocks freed.
         """
+        structured_outputs = request.sampling_params.structured_outputs
+        if structured_outputs is not None:  # compiled off the engine thread, cached
+            await self.engine.structured_output.wait_for_grammar(structured_outputs)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (loop, q)

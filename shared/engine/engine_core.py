@@ -23,6 +23,8 @@ from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.request import Request
+from shared.structured_output.backend import XgrammarBackend
+from shared.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,11 @@ class EngineCore:
         self.max_decode_stall_ns = int(parallel_config.max_decode_stall_s * 1e9)
         self._last_step_end_ns = 0
         self.model_config = model_config
-        self.model_runner = ModelRunner(model_config, cache_config, parallel_config)
+        self.structured_output = StructuredOutputManager(
+            XgrammarBackend(model_config.model_path, model_config.vocab_size))
+        """Grammar compiles (off this thread) and the guided rows' logit masks."""
+        self.model_runner = ModelRunner(model_config, cache_config, parallel_config,
+                                        self.structured_output)
         self.num_gpu_blocks = self.model_runner.num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
             self.num_gpu_blocks, cache_config.block_size,
@@ -108,8 +114,13 @@ class EngineCore:
                              "token must fit)")
 
     def add_request(self, request: Request) -> None:
-        """Validate and queue a request. Raises ValueError for bad input; nothing is queued."""
+        """Validate and queue a request. Raises ValueError for bad input; nothing is queued.
+
+        NOTE: a guided request's grammar is compiled off this thread; a service awaits
+        `structured_output.wait_for_grammar` first, the offline engine blocks here.
+        """
         self.validate_request(request)
+        self.structured_output.init_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
@@ -127,6 +138,7 @@ class EngineCore:
             self.core_share.update(busy=False)
 
     def shutdown(self) -> None:
+        self.structured_output.close()
         if self.core_share is not None:
             self.core_share.close()
 

@@ -67,7 +67,9 @@ class PreparedInputs(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 parallel_config: ParallelConfig) -> None:
+                 parallel_config: ParallelConfig, structured_output=None) -> None:
+        """`structured_output`: a StructuredOutputManager, masking guided rows' logits."""
+        self.structured_output = structured_output
         self.device = torch.device(parallel_config.device)
         self.dtype = _DTYPES[model_config.dtype]
         self.block_size = cache_config.block_size
@@ -166,9 +168,13 @@ class ModelRunner:
         if not inputs.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.structured_output is not None:
+            self.structured_output.apply_bitmask(logits, inputs.sampled_requests)
         metadata = SamplingMetadata.from_requests(inputs.sampled_requests,
                                                   self.args.vocab_size, self.device)
         out = self.sampler(logits, metadata)
+        if self.structured_output is not None:
+            self.structured_output.accept_tokens(inputs.sampled_requests, out.sampled_token_ids)
         return {req.request_id: (tok, lp) for req, tok, lp in
                 zip(inputs.sampled_requests, out.sampled_token_ids, out.logprobs)}
 

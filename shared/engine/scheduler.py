@@ -357,8 +357,9 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | No
     """Whether `request` is done after its last output token: (status, stop_reason).
 
     EOS (unless ignore_eos) and stop_token_ids count only once num_output_tokens >=
-    min_tokens, and take precedence over the length limits. stop_reason is the
-    stop_token_ids entry hit; None for EOS, as in vLLM.
+    min_tokens, and take precedence over the length limits, as does the end of a guided
+    request's grammar. stop_reason is the stop_token_ids entry hit; None for EOS (and a
+    grammar's end), as in vLLM.
     """
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
@@ -367,6 +368,8 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | No
             return RequestStatus.FINISHED_STOPPED, None
         if last in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, last
+    if request.structured_output is not None and request.structured_output.is_terminated:
+        return RequestStatus.FINISHED_STOPPED, None  # the grammar is done
     if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
     if request.num_tokens >= max_model_len:
