@@ -7,6 +7,7 @@ from shared.kv_transfer.handle import KVHandle
 from shared.proto import engine_pb2 as pb
 from shared.request import FinishReason, TokenLogprobs
 from shared.sampling_params import SamplingParams
+from shared.structured_output.params import StructuredOutputsParams
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -31,7 +32,18 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-        logit_bias=dict(p.logit_bias) or None)
+        logit_bias=dict(p.logit_bias) or None,
+        structured_outputs=structured_outputs_from_proto(p.structured_outputs)
+        if p.HasField("structured_outputs") else None)
+
+
+def structured_outputs_from_proto(p: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """Raises ValueError naming the field (none or several constraints set, ...)."""
+    return StructuredOutputsParams(
+        json=p.json or None, json_object=p.json_object, regex=p.regex or None,
+        choice=tuple(p.choice) or None, grammar=p.grammar or None,
+        structural_tag=p.structural_tag or None,
+        disable_any_whitespace=p.disable_any_whitespace)
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:

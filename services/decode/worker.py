@@ -127,6 +127,8 @@ class DecodeWorker(EngineWorker):
                           eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                           output_token_ids=list(output_token_ids))
         self.engine.engine.validate_request(request)
+        if params.structured_outputs is not None:  # compiles while the KV arrives
+            self.engine.engine.structured_output.grammar(params.structured_outputs)
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt plus output_token_ids ({request.num_tokens} tokens) "
                              f"reach max_model_len {self.max_model_len}")

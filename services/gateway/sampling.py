@@ -172,4 +172,11 @@ def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingPara
         params.prompt_logprobs = sp.prompt_logprobs
     if sp.logit_bias:
         params.logit_bias.update(sp.logit_bias)
+    so = sp.structured_outputs
+    if so is not None:
+        params.structured_outputs.CopyFrom(engine_pb2.StructuredOutputs(
+            json=so.json or "", json_object=so.json_object, regex=so.regex or "",
+            choice=list(so.choice or ()), grammar=so.grammar or "",
+            structural_tag=so.structural_tag or "",
+            disable_any_whitespace=so.disable_any_whitespace))
     return params

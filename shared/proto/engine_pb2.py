@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shared/proto/engine.proto\x12\npdserve.v1\"\xda\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x89\x02\n\x10KVTransferParams\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x05\x12\x10\n\x08head_dim\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x14\n\x0cquantization\x18\x0c \x01(\t\"\x87\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xaa\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x38\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\";\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\x05\"u\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x13\n\x0blayer_start\x18\x06 \x01(\x05\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x8d\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x38\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x31\n\x0e\x66irst_logprobs\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xe0\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"+\n\x0fGetStateRequest\x12\x18\n\x10\x63heck_invariants\x18\x01 \x01(\x08\"\xdb\x02\n\x0b\x45ngineState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x07 \x01(\x05\x12\x19\n\x11num_pinned_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x15\n\rinvariants_ok\x18\x0b \x01(\x08\x12\x18\n\x10invariants_error\x18\x0c \x01(\t\x12\x15\n\rmax_model_len\x18\r \x01(\x05\x12\x12\n\nblock_size\x18\x0e \x01(\x05\x12\x14\n\x0cquantization\x18\x0f \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdc\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x07\x46\x65tchKV\x12\x1a.pdserve.v1.FetchKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\x08GetState\x12\x1b.pdserve.v1.GetStateRequest\x1a\x17.pdserve.v1.EngineState2\xd0\x01\n\rDecodeService\x12?\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\x08GetState\x12\x1b.pdserve.v1.GetStateRequest\x1a\x17.pdserve.v1.EngineStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19shared/proto/engine.proto\x12\npdserve.v1\"\x95\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nmax_tokens\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x02\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x39\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1d.pdserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x9e\x01\n\x11StructuredOutputs\x12\x0c\n\x04json\x18\x01 \x01(\t\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\r\n\x05regex\x18\x03 \x01(\t\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x0f\n\x07grammar\x18\x05 \x01(\t\x12\x16\n\x0estructural_tag\x18\x06 \x01(\t\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x89\x02\n\x10KVTransferParams\x12\x1b\n\x13prefill_instance_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nnum_layers\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x05\x12\x10\n\x08head_dim\x18\n \x01(\x05\x12\r\n\x05model\x18\x0b \x01(\t\x12\x14\n\x0cquantization\x18\x0c \x01(\t\"\x87\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xaa\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x38\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\";\n\x0e\x46\x65tchKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\x05\"u\n\x07KVChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x13\n\x0blayer_start\x18\x06 \x01(\x05\"&\n\x10ReleaseKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x8d\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x38\n\x12kv_transfer_params\x18\x05 \x01(\x0b\x32\x1c.pdserve.v1.KVTransferParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x31\n\x0e\x66irst_logprobs\x18\x07 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xe0\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"+\n\x0fGetStateRequest\x12\x18\n\x10\x63heck_invariants\x18\x01 \x01(\x08\"\xdb\x02\n\x0b\x45ngineState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0enum_gpu_blocks\x18\x04 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\x05\x12\x17\n\x0fnum_used_blocks\x18\x07 \x01(\x05\x12\x19\n\x11num_pinned_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x15\n\rinvariants_ok\x18\x0b \x01(\x08\x12\x18\n\x10invariants_error\x18\x0c \x01(\t\x12\x15\n\rmax_model_len\x18\r \x01(\x05\x12\x12\n\nblock_size\x18\x0e \x01(\x05\x12\x14\n\x0cquantization\x18\x0f \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xdc\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x07\x46\x65tchKV\x12\x1a.pdserve.v1.FetchKVRequest\x1a\x13.pdserve.v1.KVChunk0\x01\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\x08GetState\x12\x1b.pdserve.v1.GetStateRequest\x1a\x17.pdserve.v1.EngineState2\xd0\x01\n\rDecodeService\x12?\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12@\n\x08GetState\x12\x1b.pdserve.v1.GetStateRequest\x1a\x17.pdserve.v1.EngineStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2558
-  _globals['_FINISHREASON']._serialized_end=2678
+  _globals['_FINISHREASON']._serialized_start=2778
+  _globals['_FINISHREASON']._serialized_end=2898
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=516
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=426
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=474
-  _globals['_TOKENLOGPROBS']._serialized_start=518
-  _globals['_TOKENLOGPROBS']._serialized_end=613
-  _globals['_KVTRANSFERPARAMS']._serialized_start=616
-  _globals['_KVTRANSFERPARAMS']._serialized_end=881
-  _globals['_PREFILLREQUEST']._serialized_start=884
-  _globals['_PREFILLREQUEST']._serialized_end=1019
-  _globals['_PREFILLRESPONSE']._serialized_start=1022
-  _globals['_PREFILLRESPONSE']._serialized_end=1320
-  _globals['_FETCHKVREQUEST']._serialized_start=1322
-  _globals['_FETCHKVREQUEST']._serialized_end=1381
-  _globals['_KVCHUNK']._serialized_start=1383
-  _globals['_KVCHUNK']._serialized_end=1500
-  _globals['_RELEASEKVREQUEST']._serialized_start=1502
-  _globals['_RELEASEKVREQUEST']._serialized_end=1540
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1542
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1579
-  _globals['_DECODEREQUEST']._serialized_start=1582
-  _globals['_DECODEREQUEST']._serialized_end=1851
-  _globals['_TOKENCHUNK']._serialized_start=1854
-  _globals['_TOKENCHUNK']._serialized_end=2078
-  _globals['_ABORTREQUEST']._serialized_start=2080
-  _globals['_ABORTREQUEST']._serialized_end=2115
-  _globals['_ABORTRESPONSE']._serialized_start=2117
-  _globals['_ABORTRESPONSE']._serialized_end=2161
-  _globals['_GETSTATEREQUEST']._serialized_start=2163
-  _globals['_GETSTATEREQUEST']._serialized_end=2206
-  _globals['_ENGINESTATE']._serialized_start=2209
-  _globals['_ENGINESTATE']._serialized_end=2556
-  _globals['_PREFILLSERVICE']._serialized_start=2681
-  _globals['_PREFILLSERVICE']._serialized_end=3029
-  _globals['_DECODESERVICE']._serialized_start=3032
-  _globals['_DECODESERVICE']._serialized_end=3240
+  _globals['_SAMPLINGPARAMS']._serialized_end=575
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=485
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=533
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=578
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=736
+  _globals['_TOKENLOGPROBS']._serialized_start=738
+  _globals['_TOKENLOGPROBS']._serialized_end=833
+  _globals['_KVTRANSFERPARAMS']._serialized_start=836
+  _globals['_KVTRANSFERPARAMS']._serialized_end=1101
+  _globals['_PREFILLREQUEST']._serialized_start=1104
+  _globals['_PREFILLREQUEST']._serialized_end=1239
+  _globals['_PREFILLRESPONSE']._serialized_start=1242
+  _globals['_PREFILLRESPONSE']._serialized_end=1540
+  _globals['_FETCHKVREQUEST']._serialized_start=1542
+  _globals['_FETCHKVREQUEST']._serialized_end=1601
+  _globals['_KVCHUNK']._serialized_start=1603
+  _globals['_KVCHUNK']._serialized_end=1720
+  _globals['_RELEASEKVREQUEST']._serialized_start=1722
+  _globals['_RELEASEKVREQUEST']._serialized_end=1760
+  _globals['_RELEASEKVRESPONSE']._serialized_start=1762
+  _globals['_RELEASEKVRESPONSE']._serialized_end=1799
+  _globals['_DECODEREQUEST']._serialized_start=1802
+  _globals['_DECODEREQUEST']._serialized_end=2071
+  _globals['_TOKENCHUNK']._serialized_start=2074
+  _globals['_TOKENCHUNK']._serialized_end=2298
+  _globals['_ABORTREQUEST']._serialized_start=2300
+  _globals['_ABORTREQUEST']._serialized_end=2335
+  _globals['_ABORTRESPONSE']._serialized_start=2337
+  _globals['_ABORTRESPONSE']._serialized_end=2381
+  _globals['_GETSTATEREQUEST']._serialized_start=2383
+  _globals['_GETSTATEREQUEST']._serialized_end=2426
+  _globals['_ENGINESTATE']._serialized_start=2429
+  _globals['_ENGINESTATE']._serialized_end=2776
+  _globals['_PREFILLSERVICE']._serialized_start=2901
+  _globals['_PREFILLSERVICE']._serialized_end=3249
+  _globals['_DECODESERVICE']._serialized_start=3252
+  _globals['_DECODESERVICE']._serialized_end=3460
 # @@protoc_insertion_point(module_scope)
