@@ -1,7 +1,7 @@
 """OpenAI request models (strict JSON types), parsed from raw bytes into GatewayError on failure.
 
 As in vLLM, fields the models do not name are accepted and ignored; fields the OpenAI API
-defines but pdserve cannot honour (`suffix`, tools, images, ...) are refused
+defines but pdserve cannot honour (`suffix`, images, ...) are refused
 with a 400 naming the field. Types are strict (`"stream": "yes"` and `"max_tokens": "ten"`
 are errors) and floats finite (`NaN`, `Infinity`, `1e999` are errors), so a malformed body is
 a 400, never a surprise later. The models are also the request schemas of /openapi.json.
@@ -66,6 +66,16 @@ class SamplingRequest(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None
     response_format: dict | None = None
+    structured_outputs: dict | None = None
+    """vLLM's extra body: json / regex / choice / grammar / json_object / structural_tag."""
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted and ignored (the one backend is xgrammar), as vLLM's older field."""
+    guided_whitespace_pattern: str | None = None
+    """Accepted and ignored."""
 
     @property
     def stop_list(self) -> list[str]:
@@ -202,9 +212,6 @@ def check_unsupported(req: SamplingRequest) -> None:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of different from n is not supported", "best_of")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported",
-                          "response_format")
     if isinstance(req, ChatCompletionRequest):
         if req.tools:
             raise bad_request("tools are not supported", "tools")

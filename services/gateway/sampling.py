@@ -11,6 +11,7 @@ from services.gateway.errors import GatewayError, bad_request
 from services.gateway.protocol import SamplingRequest
 from shared.proto import engine_pb2
 from shared.sampling_params import SamplingParams
+from shared.structured_output.params import StructuredOutputsParams
 
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -78,12 +79,14 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
 
 
 def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                          vocab_size: int, max_n: int,
-                          max_tokens_param: str = "max_tokens") -> SamplingParams:
+                          vocab_size: int, max_n: int, max_tokens_param: str = "max_tokens",
+                          structured_outputs: StructuredOutputsParams | None = None,
+                          ) -> SamplingParams:
     """Validated sampling params (defaults filled in as OpenAI and vLLM do).
 
     Args:
         max_tokens_param: the request field max_tokens came from (for error messages).
+        structured_outputs: the output constraint (services/gateway/structured_outputs.py).
     """
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
@@ -114,7 +117,8 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop_token_ids=stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias)
+            skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
+            structured_outputs=structured_outputs)
     except ValueError as e:
         message = str(e)
         if message.startswith("max_tokens "):

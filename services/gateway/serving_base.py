@@ -27,6 +27,7 @@ from services.gateway.sampling import to_engine_params
 from services.gateway.serving import ServingEngine, merge_streams, run_until_disconnect
 from services.gateway.shutdown import ServerShutdown, ShutdownNotice
 from services.gateway.stop_checker import StopTable
+from services.gateway.structured_outputs import name_param
 from services.gateway.tokenization import GatewayTokenizer
 from shared.sampling_params import SamplingParams
 
@@ -184,8 +185,12 @@ class OpenAIServing:
 
     def start(self, prompts: list[PromptInput], sampling: list[SamplingParams], *,
               stop: list[str], include_stop_str_in_output: bool, logprobs: bool,
-              cache_salt: str | None, engine_prefix: str, request_id: str) -> ChoiceRun:
+              cache_salt: str | None, engine_prefix: str, request_id: str,
+              guided_param: str | None = None) -> ChoiceRun:
         """Start n engine requests per prompt; choice index = prompt index * n + i.
+
+        `guided_param`: the request field the output constraint came from (an engine's 400,
+        the constraint does not compile, names it).
 
         Raises:
             QueueFullError: 429, the waiting queue cannot take them now (nothing started).
@@ -212,8 +217,10 @@ class OpenAIServing:
             self.metrics.request_params_n.observe(sp.n)
             for _ in range(sp.n):
                 self.metrics.request_params_max_tokens.observe(sp.max_tokens or 0)
-        return ChoiceRun(prompts, processors, merge_streams(streams), grant,
-                         started_at=time.monotonic())
+        deltas = merge_streams(streams)
+        if guided_param is not None:
+            deltas = name_param(deltas, guided_param)
+        return ChoiceRun(prompts, processors, deltas, grant, started_at=time.monotonic())
 
     def _observe_ttft(self, request: Request, run: ChoiceRun) -> None:
         run.first_token_at = now = time.monotonic()

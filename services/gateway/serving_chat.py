@@ -22,6 +22,7 @@ from services.gateway.sampling import (
     resolve_max_tokens,
 )
 from services.gateway.serving_base import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
+from services.gateway.structured_outputs import resolve_structured_outputs
 from services.gateway.tenancy import request_cache_salt
 
 # apply_chat_template's own parameters: template variables may not override them.
@@ -67,6 +68,7 @@ class ChatServing(OpenAIServing):
         check_logprobs(req.top_logprobs, "top_logprobs", self.config.max_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        structured_outputs, guided_param = resolve_structured_outputs(req)
         await self.check_prompt_chars(sum(len(m.text()) for m in req.messages), "messages")
         prompt = PromptInput(await self.encode_messages(req))
         info = await self.engine.engine_info()
@@ -76,14 +78,15 @@ class ChatServing(OpenAIServing):
         sp = build_sampling_params(req, max_tokens=max_tokens,
                                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
-                                   max_tokens_param=param)
+                                   max_tokens_param=param, structured_outputs=structured_outputs)
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
         out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}")
         run = self.start([prompt], [sp], stop=req.stop_list,
                          include_stop_str_in_output=req.include_stop_str_in_output,
                          logprobs=req.logprobs, cache_salt=salt,
-                         engine_prefix=state.engine_request_prefix, request_id=state.request_id)
+                         engine_prefix=state.engine_request_prefix, request_id=state.request_id,
+                         guided_param=guided_param)
         return await self.respond(request, run, bool(req.stream), out.build_response,
                                   out.stream_chunks, req.include_usage, out.chunk_meta)
 

@@ -27,6 +27,7 @@ from services.gateway.serving_base import (
     clamp_logprob,
     static_deltas,
 )
+from services.gateway.structured_outputs import resolve_structured_outputs
 from services.gateway.tenancy import request_cache_salt
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this endpoint
@@ -70,6 +71,7 @@ class CompletionServing(OpenAIServing):
         self.check_model(req.model)
         check_limits(req, self.config)
         check_logprobs(req.logprobs, "logprobs", self.config.max_logprobs)
+        structured_outputs, guided_param = resolve_structured_outputs(req)
         prompts = await self._prompts(req)
         max_model_len = (await self.engine.engine_info()).max_model_len
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
@@ -83,7 +85,8 @@ class CompletionServing(OpenAIServing):
             req, max_tokens=resolve_max_tokens(
                 len(p.token_ids), None if echo_only else 1 if prompt_only else req.max_tokens,
                 max_model_len, default=_DEFAULT_MAX_TOKENS),
-            logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n),
+            logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
+            structured_outputs=structured_outputs),
             prompt_logprobs=prompt_logprobs) for p in prompts]
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
@@ -96,7 +99,7 @@ class CompletionServing(OpenAIServing):
                              include_stop_str_in_output=req.include_stop_str_in_output,
                              logprobs=req.logprobs is not None, cache_salt=salt,
                              engine_prefix=state.engine_request_prefix,
-                             request_id=state.request_id)
+                             request_id=state.request_id, guided_param=guided_param)
             if prompt_only:
                 run = _prompt_only(run)
         return await self.respond(request, run, bool(req.stream), out.build_response,

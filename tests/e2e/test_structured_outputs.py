@@ -8,17 +8,21 @@ token so far after a failover), and a local prefill samples the same first token
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 
 import grpc
 import jsonschema
+import openai
 import pytest
 import pytest_asyncio
 
 from shared.proto import engine_pb2 as pb
 from tests.e2e.conftest import E2E_ENGINE, Urls
-from tests.services.gateway.conftest import RunningGateway, running_gateway
+from tests.e2e.structured_schemas import SCHEMAS
+from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
 from tests.services.helpers import RPC_TIMEOUT, Cluster, greedy, run_split, start_cluster
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
@@ -31,7 +35,8 @@ PERSON = {"type": "object",
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def cluster(model_path) -> AsyncIterator[Cluster]:
-    c = await start_cluster(model_path, None, **E2E_ENGINE)
+    # 1 GiB pools: the 80 concurrent requests of the 20-schema test fit at once.
+    c = await start_cluster(model_path, None, **{**E2E_ENGINE, "kv_cache_memory": "1GiB"})
     yield c
     await c.close()
 
@@ -99,3 +104,149 @@ async def test_a_schema_that_does_not_compile_is_invalid_argument(cluster, token
             sampling_params=params), timeout=RPC_TIMEOUT)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("invalid regex:")
+
+
+# ---------------------------------------------------------------- the API (the gateway)
+
+JSON_MAX_TOKENS = 120
+CONCURRENCY = 40
+
+
+def _ask_for(what: str, schema: dict) -> list[dict]:
+    return [{"role": "user", "content": f"Reply with JSON for {what}, following this JSON "
+                                        f"schema: {json.dumps(schema)}"}]
+
+
+async def _chat(client, messages, *, stream: bool, **kwargs) -> tuple[str, str | None]:
+    """(content, finish_reason) of one chat completion, streamed or not."""
+    if not stream:
+        resp = await client.chat.completions.create(model=SERVED_MODEL, messages=messages,
+                                                    **kwargs)
+        return resp.choices[0].message.content, resp.choices[0].finish_reason
+    parts, finish = [], None
+    async for chunk in await client.chat.completions.create(
+            model=SERVED_MODEL, messages=messages, stream=True, **kwargs):
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    return "".join(parts), finish
+
+
+async def test_twenty_schemas_validate_greedy_and_sampled_streamed_and_not(gateway):
+    gate = asyncio.Semaphore(CONCURRENCY)
+    failures: list[str] = []
+
+    async def one(i: int, what: str, schema: dict, sampled: bool, stream: bool) -> None:
+        sampling = {"temperature": 1.0, "seed": 100 + i} if sampled else {"temperature": 0}
+        async with gate:
+            text, finish = await _chat(
+                gateway.client, _ask_for(what, schema), stream=stream,
+                max_tokens=JSON_MAX_TOKENS, **sampling,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": f"s{i}", "schema": schema}})
+        try:
+            assert finish == "stop", f"finish_reason {finish}"
+            jsonschema.validate(json.loads(text), schema)
+        except Exception as e:  # collected: one report names every failing case
+            failures.append(f"schema {i} ({what}) sampled={sampled} stream={stream}: "
+                            f"{type(e).__name__}: {str(e)[:120]} in {text!r}")
+
+    await asyncio.gather(*(one(i, what, schema, sampled, stream)
+                           for i, (what, schema) in enumerate(SCHEMAS)
+                           for sampled in (False, True) for stream in (False, True)))
+    assert not failures, "\n".join(failures)
+
+
+async def test_regex_choice_and_an_arithmetic_grammar_are_exact(gateway):
+    client = gateway.client
+    phone = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+    resp = await client.completions.create(
+        model=SERVED_MODEL, prompt="Call me at", max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": {"regex": phone}})
+    assert re.fullmatch(phone, resp.choices[0].text), resp.choices[0].text
+    choices = ["positive", "negative", "neutral"]
+    for stream in (False, True):
+        text, finish = await _chat(
+            client, [{"role": "user", "content": "Sentiment of 'I love it!'?"}], stream=stream,
+            max_tokens=8, temperature=1.0, seed=3, extra_body={"guided_choice": choices})
+        assert text in choices and finish == "stop"
+    grammar = ('root ::= expr\nexpr ::= term (" " op " " term){1,3}\n'
+               'term ::= num | "(" expr ")"\nop ::= "+" | "-" | "*"\n'
+               'num ::= [1-9] [0-9]?')
+    resp = await client.completions.create(
+        model=SERVED_MODEL, prompt="An arithmetic expression:", max_tokens=48, temperature=0,
+        extra_body={"structured_outputs": {"grammar": grammar}})
+    text = resp.choices[0].text
+    assert resp.choices[0].finish_reason == "stop", text
+    assert _is_arithmetic(text), text
+
+
+def _is_arithmetic(text: str) -> bool:
+    """Does the test grammar accept `text`? (a recursive-descent parser of it)."""
+    pos = 0
+
+    def term() -> bool:
+        nonlocal pos
+        if text.startswith("(", pos):
+            pos += 1
+            if not expr() or not text.startswith(")", pos):
+                return False
+            pos += 1
+            return True
+        m = re.compile(r"[1-9][0-9]?").match(text, pos)
+        if m is None:
+            return False
+        pos = m.end()
+        return True
+
+    def expr() -> bool:
+        nonlocal pos
+        if not term():
+            return False
+        count = 0
+        while count < 3 and (m := re.compile(r" [-+*] ").match(text, pos)) is not None:
+            pos = m.end()
+            if not term():
+                return False
+            count += 1
+        return count >= 1
+
+    return expr() and pos == len(text)
+
+
+async def test_json_object_and_the_legacy_guided_json(gateway):
+    text, finish = await _chat(gateway.client, _ask_for("a city", {}), stream=False,
+                               max_tokens=JSON_MAX_TOKENS, temperature=0,
+                               response_format={"type": "json_object"})
+    assert finish == "stop" and isinstance(json.loads(text), dict)
+    schema = SCHEMAS[0][1]
+    resp = await gateway.client.completions.create(
+        model=SERVED_MODEL, prompt="A person as JSON:", max_tokens=JSON_MAX_TOKENS,
+        temperature=0, extra_body={"guided_json": json.dumps(schema)})
+    jsonschema.validate(json.loads(resp.choices[0].text), schema)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= missing_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_bad_constraints_are_400s_naming_the_field(gateway, body, param, stream):
+    with pytest.raises(openai.BadRequestError) as info:
+        await gateway.client.chat.completions.create(
+            model=SERVED_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            stream=stream, extra_body=body)
+    error = info.value.body
+    assert error["param"] == param, error
