@@ -88,6 +88,15 @@ class ServiceMetrics:
                                            _TRANSFER_BUCKETS)
         self._model = model_name
         self._last: EngineStats | None = None
+        # Every series without extra labels exists from the start, at 0 (a dashboard's
+        # rate() then has a baseline; a family seen only after its first event reads "no
+        # data" until then). pdserve_redis_up stays absent without --redis-url.
+        for metric in (self._running, self._waiting, self._kv_usage, self._prefix_queries,
+                       self._prefix_hits, self._preemptions, self._prompt_tokens,
+                       self._generation_tokens, self._ttft, self._itl, self._e2e,
+                       self._blocks_sent, self._bytes_sent, self._blocks_received,
+                       self._bytes_received, self._transfer_seconds):
+            self._l(metric)
 
     def _l(self, metric, **extra):
         return metric.labels(model_name=self._model, **extra)
@@ -142,6 +151,27 @@ class ServiceMetrics:
         v = self.registry.get_sample_value(f"pdserve_{name}",
                                            {"model_name": self._model, **labels})
         return v or 0.0
+
+    def histogram(self, name: str):
+        """A histogram's cumulative buckets now, as a state_feed.HistogramView (None if
+        absent), e.g. histogram("time_to_first_token_seconds")."""
+        from services.common.state_feed import HistogramView
+
+        family = f"pdserve_{name}"
+        for metric in self.registry.collect():
+            if metric.name != family:
+                continue
+            bounds, counts, total = [], [], 0.0
+            for sample in metric.samples:
+                if sample.labels.get("model_name") != self._model:
+                    continue
+                if sample.name.endswith("_bucket"):
+                    bounds.append(float(sample.labels["le"]))
+                    counts.append(int(sample.value))
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+            return HistogramView(bounds, counts, total)
+        return None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,19 +1,21 @@
 """EngineServicerBase: what the prefill and decode servicers share (grpc.aio).
 
-The worker lookup (UNAVAILABLE while loading or, for a new request, draining), `Abort` and
-`GetState`; each role's servicer adds its own methods and mixes this in before its
-generated `*ServiceServicer` base.
+The worker lookup (UNAVAILABLE while loading or, for a new request, draining), `Abort`,
+`GetState` and `WatchState`; each role's servicer adds its own methods and mixes this in
+before its generated `*ServiceServicer` base.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import aclosing
 from typing import Generic, TypeVar
 
 import grpc
 
 from services.common.errors import abort_with
-from services.common.server import ServiceRuntime
+from services.common.server import Phase, ServiceRuntime
+from services.common.state_feed import HistogramView, StateFrame
 from services.common.worker import EngineWorker
 from shared.proto import engine_pb2 as pb
 
@@ -53,3 +55,35 @@ class EngineServicerBase(Generic[W]):
         except Exception as e:
             await abort_with(context, e, "-", "GetState")
         return pb.EngineState(**state._asdict())
+
+    async def WatchState(self, request: pb.WatchStateRequest,
+                         context: grpc.aio.ServicerContext) -> None:
+        # NOTE: a coroutine writing with context.write (see PrefillServicer.FetchKV); the
+        # stream ends by itself once the instance drains, so it never holds up a shutdown.
+        try:
+            worker = self._worker()
+            async with aclosing(worker.state_feed.watch(request.interval_s)) as frames:
+                async for frame in frames:
+                    if self.runtime.phase is not Phase.SERVING:
+                        return
+                    await context.write(frame_to_proto(frame))
+        except Exception as e:
+            await abort_with(context, e, "-", "WatchState")
+
+
+def _histogram(h: HistogramView | None) -> pb.HistogramView | None:
+    return None if h is None else pb.HistogramView(bounds=h.bounds, counts=h.counts, sum=h.sum)
+
+
+def frame_to_proto(f: StateFrame) -> pb.StateFrame:
+    c = f.counters
+    return pb.StateFrame(
+        seq=f.seq, snapshot=f.snapshot, block_states=f.block_states,
+        changed_block_ids=f.changed_block_ids, state=pb.EngineState(**f.state._asdict()),
+        requests=[pb.RequestView(**r._asdict()) for r in f.requests],
+        transfers=[pb.TransferView(**t._asdict()) for t in f.transfers],
+        num_preemptions=f.stats.num_preemptions,
+        prefix_cache_queries=f.stats.prefix_cache_queries,
+        prefix_cache_hits=f.stats.prefix_cache_hits, prompt_tokens=c.prompt_tokens,
+        generation_tokens=c.generation_tokens, time=f.time, ttft=_histogram(c.ttft),
+        itl=_histogram(c.itl))

@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import NamedTuple
 
+from services.common import state_feed
 from services.common.config import ServiceConfig
 from services.common.metrics import EngineStats, ServiceMetrics
+from services.common.state_feed import Counters, LoopSide, StateFeed, TransferView
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine_core import EngineCore
 from shared.kv_transfer.codec import KVLayout
@@ -109,6 +111,12 @@ class EngineWorker:
         self.num_gpu_blocks = core.num_gpu_blocks
         self.layout = KVLayout.of(core.model_runner.kv_caches)
         self._tasks: set[asyncio.Task] = set()
+        self.state_feed = StateFeed(
+            lambda full: self.engine.call(lambda e: state_feed.feed_op(e, full, stats_op)),
+            self._feed_loop_side, self.make_state, self._feed_counters,
+            lambda: self.engine.call(lambda e: e.kv_cache_manager.block_pool.track_changes(
+                False)))
+        """The dashboard's live view of this instance (WatchState)."""
 
     # -- overridden by the roles -------------------------------------------------------------
 
@@ -128,6 +136,19 @@ class EngineWorker:
         """Requests whose blocks this worker (not the scheduler) is responsible for."""
         return set()
 
+    def pinned_block_ids(self) -> frozenset[int]:
+        """The blocks of num_pinned_blocks() (prefill)."""
+        return frozenset()
+
+    def request_labels(self) -> dict[str, tuple[str, Request | None]]:
+        """(status, the Request) of each request holding blocks outside the scheduler
+        (state feed)."""
+        return {}
+
+    def transfers(self) -> list[TransferView]:
+        """KV transfers in flight here (state feed)."""
+        return []
+
     async def abort(self, request_ids: list[str]) -> list[str]:
         return await self.engine.abort(request_ids)
 
@@ -144,14 +165,31 @@ class EngineWorker:
         orphans = [r for r in orphans if r not in self.owned_request_ids()]
         if orphans and not error:
             error = f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
+        return self.make_state(stats, self.num_pinned_blocks(), self.num_pending(), error)
+
+    def make_state(self, stats: EngineStats, num_pinned_blocks: int, num_pending: int,
+                   error: str = "") -> EngineState:
+        """The EngineState of engine `stats` plus this worker's pins and admissions (GetState
+        and every state-feed frame build it here: the same numbers)."""
         return EngineState(
             instance_id=self.identity.instance_id, role=self.role, model=self.model_name,
             num_gpu_blocks=stats.num_gpu_blocks, num_free_blocks=stats.num_free_blocks,
             num_cached_blocks=stats.num_cached_blocks, num_used_blocks=stats.num_used_blocks,
-            num_pinned_blocks=self.num_pinned_blocks(), num_running=stats.num_running,
-            num_waiting=stats.num_waiting + self.num_pending(), invariants_ok=not error,
+            num_pinned_blocks=num_pinned_blocks, num_running=stats.num_running,
+            num_waiting=stats.num_waiting + num_pending, invariants_ok=not error,
             invariants_error=error, max_model_len=self.max_model_len,
             block_size=self.block_size, quantization=self.quantization)
+
+    def _feed_loop_side(self) -> LoopSide:
+        return LoopSide(self.pinned_block_ids(), self.num_pending(), self.request_labels(),
+                        self.transfers())
+
+    def _feed_counters(self) -> Counters:
+        m = self.metrics
+        return Counters(int(m.value("prompt_tokens_total")),
+                        int(m.value("generation_tokens_total")),
+                        m.histogram("time_to_first_token_seconds"),
+                        m.histogram("inter_token_latency_seconds"))
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background, kept alive until done (shutdown awaits them)."""
@@ -163,6 +201,7 @@ class EngineWorker:
     async def close(self) -> None:
         """Let background calls (ReleaseKV...) finish briefly, then cancel the rest. The
         engine itself is shut down by the runtime."""
+        await self.state_feed.aclose()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.rpc_timeout)
         for task in list(self._tasks):

@@ -57,6 +57,8 @@ class KVFetcher:
         self.metrics = metrics
         self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.PrefillServiceStub]] = {}
         self._auth = auth_metadata(config.internal_token)
+        self.in_flight: dict[str, tuple[str, int, float]] = {}
+        """request_id -> (prefill address, blocks, monotonic start) of fetches running now."""
 
     def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         return (("x-request-id", request_id),) + self._auth
@@ -84,6 +86,7 @@ class KVFetcher:
         tracker = TransferTracker(self.layout, block_indices)
         dst = dict(zip(block_indices, dst_block_ids))
         start = time.monotonic()
+        self.in_flight[request_id] = (address, len(block_indices), start)
         call = self._stub(address).FetchKV(
             pb.FetchKVRequest(request_id=request_id, block_indices=block_indices),
             timeout=self.config.kv_transfer_timeout, metadata=self._metadata(request_id))
@@ -103,6 +106,7 @@ class KVFetcher:
             raise ServiceError(grpc.StatusCode.DATA_LOSS,
                                f"bad KV chunk from prefill {address}: {e}") from None
         finally:
+            self.in_flight.pop(request_id, None)
             if not call.done():
                 call.cancel()
         if not tracker.complete:

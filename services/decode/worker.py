@@ -36,6 +36,7 @@ from typing import NamedTuple
 import grpc
 
 from services.common.errors import ServiceError
+from services.common.state_feed import TransferView
 from services.common.worker import EngineWorker, free_unscheduled_op
 from services.decode.kv_fetcher import KVFetcher
 from shared.engine.engine_core import EngineCore
@@ -352,6 +353,15 @@ class DecodeWorker(EngineWorker):
 
     def owned_request_ids(self) -> set[str]:
         return set(self._tickets)
+
+    def request_labels(self) -> dict[str, tuple[str, Request | None]]:
+        # Blocks held outside the scheduler: reserved for a transfer, not yet committed.
+        return {rid: ("transfer", t.request) for rid, t in self._tickets.items()}
+
+    def transfers(self) -> list[TransferView]:
+        now = time.monotonic()
+        return [TransferView(rid, "receive", address, num_blocks, now - start)
+                for rid, (address, num_blocks, start) in self.fetcher.in_flight.items()]
 
     async def close(self) -> None:
         await super().close()

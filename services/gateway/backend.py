@@ -99,6 +99,14 @@ class EngineBackend:
         return await stub.GetState(engine_pb2.GetStateRequest(check_invariants=check_invariants),
                                    timeout=self.rpc_timeout, metadata=self._auth)
 
+    def watch_state(self, address: str, role: str,
+                    interval_s: float = 0.0) -> grpc.aio.UnaryStreamCall:
+        """The instance's state feed (WatchState: a snapshot, then deltas); no deadline,
+        `cancel()` it to stop."""
+        stub = self._get(address).prefill if role == "prefill" else self._get(address).decode
+        return stub.WatchState(engine_pb2.WatchStateRequest(interval_s=interval_s),
+                               metadata=self._auth)
+
     async def is_serving(self, address: str) -> bool:
         """grpc.health.v1 Check of the whole server ("" service)."""
         return await self.health_status(address) == health_pb2.HealthCheckResponse.SERVING

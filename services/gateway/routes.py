@@ -9,6 +9,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from services.gateway.dashboard import dashboard_feed, dashboard_page, dashboard_script
 from services.gateway.debug import kv_audit
 from services.gateway.errors import GatewayError, error_response, model_not_found
 from services.gateway.openapi import build_openapi
@@ -148,6 +149,9 @@ ROUTES = [
     Route("/openapi.json", openapi, methods=["GET"]),
     Route("/docs", docs, methods=["GET"]),
     Route("/debug/kv-audit", kv_audit, methods=["GET"]),
+    Route("/dashboard", dashboard_page, methods=["GET"]),
+    Route("/dashboard/app.js", dashboard_script, methods=["GET"]),
+    Route("/dashboard/feed", dashboard_feed, methods=["GET"]),
 ]
 
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from services.common.errors import ServiceError
+from services.common.state_feed import TransferView
 from services.common.worker import EngineWorker, free_unscheduled_op
 from shared.engine.engine_core import EngineCore
 from shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
@@ -57,6 +58,8 @@ class Pin:
     """FetchKV streams reading the blocks now."""
     closed: bool = False
     """Released, aborted or expired: the last FetchKV stream frees the blocks."""
+    fetch_started: float = 0.0
+    """Monotonic start of the latest FetchKV stream (state feed)."""
 
 
 @dataclass(slots=True)
@@ -193,7 +196,7 @@ class PrefillWorker(EngineWorker):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                "block_indices: an index is repeated")
         pin.num_fetches += 1
-        start = time.monotonic()
+        start = pin.fetch_started = time.monotonic()
         chunks = encode_kv_blocks(self.engine.engine.model_runner.kv_caches, pin.block_ids,
                                   indices, self.config.kv_chunk_bytes)
         # NOTE: the next chunk is gathered and encoded in a worker thread (torch and the
@@ -279,8 +282,21 @@ class PrefillWorker(EngineWorker):
     # -- audit -------------------------------------------------------------------------------
 
     def num_pinned_blocks(self) -> int:
+        return len(self.pinned_block_ids())
+
+    def pinned_block_ids(self) -> frozenset[int]:
         pins = [*self._pins.values(), *self._closing.values()]
-        return len({b for pin in pins for b in pin.block_ids})
+        return frozenset(b for pin in pins for b in pin.block_ids)
+
+    def request_labels(self) -> dict[str, tuple[str, Request | None]]:
+        return {rid: ("pinned", pin.request) for pins in (self._pins, self._closing)
+                for rid, pin in pins.items()}
+
+    def transfers(self) -> list[TransferView]:
+        now = time.monotonic()
+        return [TransferView(rid, "send", "", len(pin.block_ids), now - pin.fetch_started)
+                for pins in (self._pins, self._closing) for rid, pin in pins.items()
+                if pin.num_fetches]
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)

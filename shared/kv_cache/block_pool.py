@@ -6,6 +6,10 @@
 
 A free block may still be cached: it stays findable by its hash until `get_new_blocks`
 pops it from the head of the queue and evicts it (drops its hash). `touch` revives it.
+
+With `track_changes(True)` the pool also records the ids of the blocks whose ref_cnt or
+hash changed (`take_changed_block_ids`), for the state feed's deltas (services/common/
+state_feed.py): a live block map then costs O(changed blocks) per frame, not O(pool).
 """
 
 from __future__ import annotations
@@ -139,6 +143,8 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self._events: list[KVCacheEvent] = []
+        self._changed: set[int] | None = None
+        """Ids of blocks whose ref_cnt or hash changed since the last take (tracking on)."""
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -165,6 +171,8 @@ class BlockPool:
             blocks.append(block)
         if evicted and self.enable_kv_cache_events:
             self._events.append(BlockRemoved(evicted))
+        if self._changed is not None:
+            self._changed.update(block.block_id for block in blocks)
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -173,10 +181,13 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """ref_cnt += 1 for each block; a free (ref_cnt 0) block leaves the free queue."""
+        changed = self._changed
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
+            if changed is not None:
+                changed.add(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """ref_cnt -= 1 for each block; one reaching 0 goes to the tail of the free queue.
@@ -184,12 +195,15 @@ class BlockPool:
         Args:
             ordered_blocks: in eviction priority, the first to be evicted first.
         """
+        changed = self._changed
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+            if changed is not None:
+                changed.add(block.block_id)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
                           num_cached_blocks: int, num_full_blocks: int) -> None:
@@ -217,6 +231,8 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
             stored.append(block_hash)
+            if self._changed is not None:
+                self._changed.add(block.block_id)
         if stored and self.enable_kv_cache_events:
             self._events.append(BlockStored(stored))
 
@@ -234,6 +250,18 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self.cached_block_hash_to_block)
 
+    def track_changes(self, on: bool) -> None:
+        """Start (anew, forgetting earlier changes) or stop recording changed block ids."""
+        self._changed = set() if on else None
+
+    def take_changed_block_ids(self) -> list[int]:
+        """Ids of the blocks whose ref_cnt or hash changed since the last call (or since
+        tracking started), ascending; [] while tracking is off."""
+        if self._changed is None:
+            return []
+        changed, self._changed = self._changed, set()
+        return sorted(changed)
+
     def take_events(self) -> list[KVCacheEvent]:
         """The cache add / evict events since the last call, oldest first."""
         events, self._events = self._events, []
@@ -246,6 +274,8 @@ class BlockPool:
         cleared = list(self.cached_block_hash_to_block)
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
+            if self._changed is not None:
+                self._changed.add(block.block_id)
         self.cached_block_hash_to_block.clear()
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared(cleared))

@@ -270,3 +270,85 @@ class EngineState(_message.Message):
     block_size: int
     quantization: str
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_gpu_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_used_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., invariants_ok: _Optional[bool] = ..., invariants_error: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+
+class WatchStateRequest(_message.Message):
+    __slots__ = ("interval_s",)
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    interval_s: float
+    def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
+
+class StateFrame(_message.Message):
+    __slots__ = ("seq", "snapshot", "block_states", "changed_block_ids", "state", "requests", "transfers", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "time", "ttft", "itl")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STATES_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    ITL_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    snapshot: bool
+    block_states: bytes
+    changed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    state: EngineState
+    requests: _containers.RepeatedCompositeFieldContainer[RequestView]
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferView]
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generation_tokens: int
+    time: float
+    ttft: HistogramView
+    itl: HistogramView
+    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., block_states: _Optional[bytes] = ..., changed_block_ids: _Optional[_Iterable[int]] = ..., state: _Optional[_Union[EngineState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestView, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferView, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., time: _Optional[float] = ..., ttft: _Optional[_Union[HistogramView, _Mapping]] = ..., itl: _Optional[_Union[HistogramView, _Mapping]] = ...) -> None: ...
+
+class RequestView(_message.Message):
+    __slots__ = ("request_id", "status", "block_ids", "num_cached_tokens", "num_computed_tokens", "num_prompt_tokens", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    status: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: int
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class TransferView(_message.Message):
+    __slots__ = ("request_id", "direction", "peer", "num_blocks", "seconds")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    direction: str
+    peer: str
+    num_blocks: int
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., direction: _Optional[str] = ..., peer: _Optional[str] = ..., num_blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class HistogramView(_message.Message):
+    __slots__ = ("bounds", "counts", "sum")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum: float
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum: _Optional[float] = ...) -> None: ...

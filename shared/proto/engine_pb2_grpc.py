@@ -59,6 +59,11 @@ class PrefillServiceStub:
                 request_serializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=shared_dot_proto_dot_engine__pb2.EngineState.FromString,
                 _registered_method=True)
+        self.WatchState = channel.unary_stream(
+                '/pdserve.v1.PrefillService/WatchState',
+                request_serializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -94,6 +99,12 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
                     response_serializer=shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
+            ),
+            'WatchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchState,
+                    request_deserializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
+                    response_serializer=shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +284,33 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/WatchState',
+            shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+            shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -293,6 +336,11 @@ class DecodeServiceStub:
                 request_serializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
                 response_deserializer=shared_dot_proto_dot_engine__pb2.EngineState.FromString,
                 _registered_method=True)
+        self.WatchState = channel.unary_stream(
+                '/pdserve.v1.DecodeService/WatchState',
+                request_serializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -316,6 +364,12 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +387,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetState,
                     request_deserializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
                     response_serializer=shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
+            ),
+            'WatchState': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchState,
+                    request_deserializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
+                    response_serializer=shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +475,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/GetState',
             shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
             shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/WatchState',
+            shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+            shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
             options,
             channel_credentials,
             insecure,

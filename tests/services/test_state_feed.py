@@ -1,0 +1,163 @@
+"""The state feed (services/common/state_feed.py): the block pool's change tracking, and a
+watcher's map, rebuilt from one snapshot plus deltas, equal to the pool at every frame,
+its counts equal to the leak audit's (stats_op) of that moment."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from services.common.state_feed import (
+    BLOCK_CACHED,
+    BLOCK_NULL,
+    BLOCK_PINNED,
+    MAX_BACKLOG,
+    STATE_MASK,
+    block_state,
+    count_states,
+)
+from shared.kv_cache.block_pool import BlockPool
+from tests.services.churn import ChurnEngine, feed
+
+
+def test_block_pool_reports_every_changed_block_once_tracking_is_on():
+    pool = BlockPool(10, enable_caching=True)
+    a = pool.get_new_blocks(3)
+    assert pool.take_changed_block_ids() == []  # off: nothing recorded
+    pool.track_changes(True)
+    b = pool.get_new_blocks(2)
+    pool.cache_full_blocks(a, [b"h1", b"h2"], 0, 2)
+    pool.free_blocks(a)
+    pool.touch([a[0]])
+    assert pool.take_changed_block_ids() == sorted({x.block_id for x in a + b})
+    assert pool.take_changed_block_ids() == []
+    pool.free_blocks([a[0]])
+    pool.free_blocks(b)
+    assert pool.reset_prefix_cache()
+    assert pool.take_changed_block_ids() == sorted({a[0].block_id, a[1].block_id,
+                                                    *(x.block_id for x in b)})
+    pool.track_changes(False)
+    pool.get_new_blocks(1)
+    assert pool.take_changed_block_ids() == []
+
+
+def _truth(engine, pinned: set[int]) -> bytes:
+    pool = engine.kv_cache_manager.block_pool
+    out = bytearray(block_state(b) for b in pool.blocks)
+    out[0] = BLOCK_NULL
+    for i in pinned:
+        out[i] = (out[i] & ~STATE_MASK) | BLOCK_PINNED
+    return bytes(out)
+
+
+def _apply(block_map: bytearray | None, frame) -> bytearray:
+    if frame.snapshot:
+        return bytearray(frame.block_states)
+    assert block_map is not None
+    for i, s in zip(frame.changed_block_ids, frame.block_states, strict=True):
+        block_map[i] = s
+    return block_map
+
+
+def _audit(state) -> dict[str, int]:
+    return {k: getattr(state, k) for k in ("num_free_blocks", "num_used_blocks",
+                                            "num_pinned_blocks", "num_cached_blocks")}
+
+
+async def test_a_watchers_map_is_the_pool_at_every_frame():
+    engine = ChurnEngine(num_blocks=300, seed=1)
+    pinned: set[int] = set()
+    truth: dict[int, bytes] = {}
+    state_feed = feed(engine, pinned,
+                      on_sample=lambda s: truth.__setitem__(state_feed.seq + 1,
+                                                            _truth(engine, pinned)))
+    rng = random.Random(2)
+    frames = []
+
+    async def consume():
+        block_map = None
+        async for frame in state_feed.watch(0.05):
+            block_map = _apply(block_map, frame)
+            assert bytes(block_map) == truth[frame.seq], frame.seq
+            assert count_states(block_map) == _audit(frame.state)
+            frames.append(frame)
+            if len(frames) >= 40:
+                return
+
+    consumer = asyncio.ensure_future(consume())
+    while not consumer.done():
+        if rng.random() < 0.5:
+            engine.add(rng.randrange(1, 4))
+        engine.step()
+        # Pins are always blocks some request holds (a finished prefill's, in the service).
+        used = [b.block_id for b in engine.kv_cache_manager.block_pool.blocks[1:] if b.ref_cnt]
+        pinned.clear()
+        pinned.update(rng.sample(used, min(len(used), rng.randrange(0, 6))))
+        await asyncio.sleep(0.01)
+    await consumer
+    await state_feed.aclose()
+    assert frames[0].snapshot and not any(f.snapshot for f in frames[1:])
+    assert [f.seq for f in frames] == list(range(frames[0].seq, frames[0].seq + len(frames)))
+    assert any(f.changed_block_ids for f in frames)
+    assert any(f.state.num_pinned_blocks for f in frames)
+    assert any(f.state.num_used_blocks for f in frames)
+    assert any(count_states(f.block_states)["num_cached_blocks"] for f in frames if f.snapshot) \
+        or any(s & BLOCK_CACHED for f in frames for s in f.block_states)
+    # Every request of a frame lists its block table; running ones hold blocks.
+    assert any(r.status == "running" and r.block_ids for f in frames for r in f.requests)
+
+
+async def test_a_watcher_that_falls_behind_gets_a_fresh_snapshot():
+    engine = ChurnEngine(num_blocks=200, seed=3)
+    state_feed = feed(engine)
+    watch = aiter(state_feed.watch(0.05))
+    first = await anext(watch)
+    assert first.snapshot
+    for _ in range(MAX_BACKLOG + 4):  # let frames pile up unread
+        engine.add(2)
+        engine.step()
+        await asyncio.sleep(0.06)
+    await asyncio.sleep(0.2)  # one more tick after the last step
+    frame = await anext(watch)
+    assert frame.snapshot and frame.seq > first.seq + MAX_BACKLOG
+    assert bytes(frame.block_states) == _truth(engine, set())  # nothing stepped since
+    nxt = await anext(watch)
+    assert not nxt.snapshot and nxt.seq == frame.seq + 1
+    await watch.aclose()
+    await state_feed.aclose()
+
+
+async def test_tracking_stops_when_nobody_watches_and_a_new_watcher_starts_with_a_snapshot():
+    engine = ChurnEngine(num_blocks=100, seed=4)
+    pool = engine.kv_cache_manager.block_pool
+    state_feed = feed(engine)
+    watch = aiter(state_feed.watch(0.05))
+    assert (await anext(watch)).snapshot
+    assert pool._changed is not None
+    await watch.aclose()
+    for _ in range(50):
+        if pool._changed is None:
+            break
+        await asyncio.sleep(0.02)
+    assert pool._changed is None and state_feed.num_watchers == 0
+    engine.add(3)
+    engine.step()
+    watch = aiter(state_feed.watch(0.05))
+    frame = await anext(watch)
+    assert frame.snapshot and bytes(frame.block_states) == _truth(engine, set())
+    await watch.aclose()
+    await state_feed.aclose()
+
+
+def test_a_100000_block_snapshot_is_one_byte_per_block():
+    engine = ChurnEngine(num_blocks=100_000, seed=5)
+    engine.add(20)
+    engine.step()
+    from services.common.state_feed import feed_op
+    from services.common.worker import stats_op
+
+    sample = feed_op(engine, True, stats_op)
+    assert len(sample.block_states) == 100_000
+    counts = count_states(sample.block_states)
+    assert counts["num_used_blocks"] == sample.stats.num_used_blocks > 0
+    assert counts["num_free_blocks"] == sample.stats.num_free_blocks
