@@ -133,7 +133,8 @@ def paged_attention_rows(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.shape[1],
         block_table.data_ptr(), block_table.shape[0], block_table.shape[1], block_table.stride(0),
         token_ids.data_ptr(), req_ids.data_ptr(), context_lens.data_ptr(), num_rows,
-        max_context_len, scale, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        max_context_len, scale, out.data_ptr(), out.stride(0),
+        max(1, min(torch.get_num_threads(), num_rows)),  # one row is one thread's work
     )
     if status == -2:
         raise IndexError("paged attention rows index outside query, block_table or the cache")

@@ -64,7 +64,7 @@ class ShutdownNotice:
         try:
             await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            task.cancel()
+            await _cancel_and_wait(task)
             raise
         finally:
             cut.cancel()
@@ -87,7 +87,10 @@ class ShutdownNotice:
                 try:
                     await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
                 except BaseException:
-                    task.cancel()
+                    # NOTE: wait for the cancelled `anext` to end: until then `items` is still
+                    # running and the caller's aclose() of it (which aborts the engine
+                    # requests of a client that left) fails with RuntimeError.
+                    await _cancel_and_wait(task)
                     raise
                 if not task.done():
                     task.cancel()
@@ -100,3 +103,9 @@ class ShutdownNotice:
                 yield item
         finally:
             cut.cancel()
+
+
+async def _cancel_and_wait(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has ended (its result or error dropped)."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -195,3 +195,20 @@ def test_loading_the_fused_kernels_keeps_denormals():
     if out[0] != "True":
         pytest.skip("no C compiler: the kernels were not built")
     assert out[1:] == ["True", "True"], out
+
+
+def test_threads_for_gives_small_inputs_one_thread():
+    """One thread per row at most, MIN_ELEMENTS_PER_THREAD elements each, torch's count
+    at most: a single stream's decode step never forks a team it cannot use."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    assert cpu_fused.threads_for(1, 576) == 1
+    assert cpu_fused.threads_for(1, 10**6) == 1
+    assert cpu_fused.threads_for(4, 576) == 1
+    assert cpu_fused.threads_for(64, 2 * 576) == 2
+    assert cpu_fused.threads_for(2048, 576) == 2
+    torch.set_num_threads(1)
+    try:
+        assert cpu_fused.threads_for(2048, 576) == 1
+    finally:
+        torch.set_num_threads(before)
