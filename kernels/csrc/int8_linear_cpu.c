@@ -78,18 +78,15 @@ static inline __attribute__((always_inline)) void panel_f32(
     }
 }
 
-#define RUN_INT8(MB)                                                              \
+/* One tile of MB rows: PANEL_FN over the panel W, then the scaled rows stored. */
+#define RUN_TILE(PANEL_FN, W, MB)                                                 \
     do {                                                                          \
         __m512 acc[MB][2];                                                        \
-        panel_int8(x + m0 * x_stride, x_stride, MB, qp, K, acc);                  \
+        PANEL_FN(x + m0 * x_stride, x_stride, MB, W, K, acc);                     \
         store_rows(acc, MB, y + m0 * N, N, n0, n_valid, s, b);                    \
     } while (0)
-#define RUN_F32(MB)                                                               \
-    do {                                                                          \
-        __m512 acc[MB][2];                                                        \
-        panel_f32(x + m0 * x_stride, x_stride, MB, wbuf, K, acc);                 \
-        store_rows(acc, MB, y + m0 * N, N, n0, n_valid, s, b);                    \
-    } while (0)
+#define RUN_INT8(MB) RUN_TILE(panel_int8, qp, MB)
+#define RUN_F32(MB) RUN_TILE(panel_f32, wbuf, MB)
 
 static void run_panel(const float *x, int64_t x_stride, int64_t M, const int8_t *qp,
                       const float *s, const float *b, float *y, int64_t N, int64_t n0,
