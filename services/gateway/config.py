@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
+"""Chat templates shipped with pdserve (the default model's Hermes-style tool template)."""
 
 # GatewayConfig fields that must be > 0 / >= 0 (0: "no limit" or "none allowed").
 _POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_body_size",
@@ -81,6 +83,10 @@ class GatewayConfig:
     chat_template: str | None = field(default=None, repr=False)
     """A Jinja chat template (the text, read from --chat-template's file); None: the
     tokenizer's own."""
+    enable_auto_tool_choice: bool = False
+    """tool_choice "auto" is served (vLLM's flag; needs `tool_call_parser`)."""
+    tool_call_parser: str | None = None
+    """"hermes": the model's <tool_call> markup becomes tool_calls (vLLM's flag)."""
     allowed_origins: tuple[str, ...] = ("*",)
     """CORS, as vLLM's flags of the same names."""
     allowed_methods: tuple[str, ...] = ("*",)
@@ -106,6 +112,10 @@ class GatewayConfig:
             raise ValueError("--admin-api-key must differ from every --api-key")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ValueError(f"--tool-call-parser must be hermes, got {self.tool_call_parser}")
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -214,7 +224,15 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=_env("tokenizer", None),
                    help="local tokenizer directory (default: the model's)")
     g.add_argument("--chat-template", default=_env("chat_template", None),
-                   help="a Jinja chat template: a file path or the template itself")
+                   help="a Jinja chat template: a file path, the template itself, or the "
+                        "name of one shipped in services/gateway/chat_templates/ (e.g. "
+                        "tool_chat_template_smollm2_hermes.jinja)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   default=_env("enable_auto_tool_choice", "") not in ("", "0", "false"),
+                   help='serve tool_choice "auto" (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", choices=["hermes"],
+                   default=_env("tool_call_parser", None),
+                   help="how tool calls are read from the model's output")
     g.add_argument("--allowed-origins", type=_json_list,
                    default=_json_list(_env("allowed_origins", '["*"]')),
                    help='CORS allowed origins, a JSON list (default ["*"])')
@@ -249,13 +267,17 @@ def _tokenizer_dir(value: str | None) -> str | None:
 
 
 def read_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file's text, or the value itself when it is a template (as vLLM).
+    """--chat-template: a file's text (a bare name may be one of CHAT_TEMPLATES_DIR), or the
+    value itself when it is a template (as vLLM).
 
     Raises:
         FileNotFoundError: a path-like value (no Jinja braces) that names no file.
     """
     if not value:
         return None
+    shipped = os.path.join(CHAT_TEMPLATES_DIR, value)
+    if not os.path.isfile(value) and os.sep not in value and os.path.isfile(shipped):
+        value = shipped
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
@@ -299,4 +321,6 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         chat_template=read_chat_template(ns.chat_template),
         allowed_origins=tuple(ns.allowed_origins), allowed_methods=tuple(ns.allowed_methods),
         allowed_headers=tuple(ns.allowed_headers), allow_credentials=ns.allow_credentials,
-        protect_metrics=ns.protect_metrics, metrics_compat=ns.metrics_compat)
+        protect_metrics=ns.protect_metrics, metrics_compat=ns.metrics_compat,
+        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+        tool_call_parser=ns.tool_call_parser)

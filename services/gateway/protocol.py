@@ -110,11 +110,18 @@ _MEDIA_PARTS = {"image_url": "image", "input_image": "image", "image": "image",
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    """None only for an assistant message (one that carries tool_calls)."""
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    """An assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    tool_call_id: str | None = None
+    """A tool message: the call it answers."""
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text or "" for part in self.content)
@@ -127,7 +134,10 @@ def check_content_parts(messages: list[ChatMessage]) -> None:
         GatewayError: 400, e.g. "image input is not supported by this model".
     """
     for i, message in enumerate(messages):
-        if isinstance(message.content, str):
+        if message.content is None and message.role != "assistant":
+            raise bad_request(f"Invalid value for 'messages.{i}.content': Field required",
+                              "messages")
+        if message.content is None or isinstance(message.content, str):
             continue
         for j, part in enumerate(message.content):
             where = f"messages.{i}.content.{j}"
@@ -153,6 +163,8 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    """Accepted; with tool_choice "required" the model may make one call or several."""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -160,8 +172,6 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -212,11 +222,6 @@ def check_unsupported(req: SamplingRequest) -> None:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of different from n is not supported", "best_of")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
-        if req.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options can only be set when stream is true",
                           "stream_options")

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: marker-safe chat template, boolean logprobs + top_logprobs."""
+"""POST /v1/chat/completions: marker-safe chat template, boolean logprobs + top_logprobs,
+output constraints and tools (services/gateway/tools.py, tool_parser.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from services.gateway.sampling import (
 from services.gateway.serving_base import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
 from services.gateway.structured_outputs import resolve_structured_outputs
 from services.gateway.tenancy import request_cache_salt
+from services.gateway.tool_parser import ToolCallStream, extract_tool_calls
+from services.gateway.tools import ToolMode, resolve_tool_mode, template_messages
 
 # apply_chat_template's own parameters: template variables may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -36,8 +39,9 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 class ChatServing(OpenAIServing):
     route = "/v1/chat/completions"
 
-    async def encode_messages(self, req) -> list[int]:
-        """The prompt ids of `req.messages` (also used by /tokenize)."""
+    async def encode_messages(self, req, tools: list | None = None) -> list[int]:
+        """The prompt ids of `req.messages` (also used by /tokenize), with `tools` (the
+        request's, for the template) when the request uses them."""
         if not req.messages:
             raise bad_request("messages must not be empty", "messages")
         check_content_parts(req.messages)
@@ -52,10 +56,12 @@ class ChatServing(OpenAIServing):
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}",
                               "chat_template_kwargs")
+        messages = template_messages(req)
+        if tools is not None:
+            template_kwargs = {**template_kwargs, "tools": tools}
         try:
             return await self.tokenizer.encode_chat(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
+                messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, **template_kwargs)
         except Exception as e:  # the template runs on user input: its failures are a 400
             raise bad_request(f"the chat template could not render the messages: {e}",
@@ -69,8 +75,17 @@ class ChatServing(OpenAIServing):
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         structured_outputs, guided_param = resolve_structured_outputs(req)
+        tool_mode = resolve_tool_mode(
+            req, enable_auto_tool_choice=self.config.enable_auto_tool_choice,
+            template_renders_tools=self.tokenizer.renders_tools)
+        if tool_mode is not None and tool_mode.structured_outputs is not None:
+            if structured_outputs is not None:
+                raise bad_request(f"{guided_param} cannot be combined with a tool_choice that "
+                                  "forces a tool call", guided_param)
+            structured_outputs, guided_param = tool_mode.structured_outputs, "tool_choice"
         await self.check_prompt_chars(sum(len(m.text()) for m in req.messages), "messages")
-        prompt = PromptInput(await self.encode_messages(req))
+        prompt = PromptInput(await self.encode_messages(
+            req, req.tools if tool_mode is not None else None))
         info = await self.engine.engine_info()
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(len(prompt.token_ids), req.requested_max_tokens,
@@ -81,7 +96,8 @@ class ChatServing(OpenAIServing):
                                    max_tokens_param=param, structured_outputs=structured_outputs)
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
-        out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}")
+        out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}",
+                          tool_mode if tool_mode is not None and tool_mode.parses_calls else None)
         run = self.start([prompt], [sp], stop=req.stop_list,
                          include_stop_str_in_output=req.include_stop_str_in_output,
                          logprobs=req.logprobs, cache_salt=salt,
@@ -104,8 +120,10 @@ class _ChatOutput:
     """The response (or stream chunks) of one chat completion request."""
 
     def __init__(self, serving: ChatServing, req: ChatCompletionRequest,
-                 response_id: str) -> None:
+                 response_id: str, tool_mode: ToolMode | None = None) -> None:
+        """`tool_mode`: set when the answers' tool-call markup becomes `tool_calls`."""
         self.serving = serving
+        self.tool_mode = tool_mode
         self.meta = {"id": response_id, "created": int(time.time()),
                      "model": serving.config.served_model_name}
         self.chunk_meta = {**self.meta, "object": "chat.completion.chunk"}
@@ -123,6 +141,14 @@ class _ChatOutput:
                 c["logprobs"]["content"] += self.serving.logprobs_content(d.logprobs)
             if d.finish_reason is not None:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
+        if self.tool_mode is not None:
+            for c in choices.values():
+                content, calls = extract_tool_calls(c["message"]["content"])
+                if calls:
+                    c["message"] = {"role": "assistant", "content": content,
+                                    "tool_calls": [call.to_dict() for call in calls]}
+                    if c["finish_reason"] == "stop":
+                        c["finish_reason"] = "tool_calls"
         return {**self.meta, "object": "chat.completion",
                 "choices": [choices[i] for i in sorted(choices)], "usage": run.usage()}
 
@@ -133,15 +159,26 @@ class _ChatOutput:
             yield {**self.chunk_meta, "choices": [{
                 "index": i, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}], **self.usage_key}
+        parsers: dict[int, ToolCallStream] = {}
         delta = first
         while delta is not None:
-            if delta.text or delta.logprobs or delta.finish_reason is not None:
-                choice = {"index": delta.index,
-                          "delta": {"content": delta.text} if delta.text else {},
-                          "logprobs": None if delta.logprobs is None else {
+            finish = delta.finish_reason
+            pieces = [{"content": delta.text}] if delta.text else []
+            if self.tool_mode is not None:
+                parser = parsers.setdefault(delta.index, ToolCallStream())
+                pieces = parser.feed(delta.text) if delta.text else []
+                if finish is not None:
+                    pieces += parser.finish()
+                    if finish == "stop" and parser.num_calls:
+                        finish = "tool_calls"
+            if not pieces and (delta.logprobs or finish is not None):
+                pieces = [{}]
+            for j, piece in enumerate(pieces):
+                choice = {"index": delta.index, "delta": piece,
+                          "logprobs": None if delta.logprobs is None or j else {
                               "content": self.serving.logprobs_content(delta.logprobs)},
-                          "finish_reason": delta.finish_reason}
-                if delta.finish_reason is not None:
+                          "finish_reason": finish if j == len(pieces) - 1 else None}
+                if choice["finish_reason"] is not None:
                     choice["stop_reason"] = delta.stop_reason
                 yield {**self.chunk_meta, "choices": [choice], **self.usage_key}
             delta = await anext(run.deltas, None)

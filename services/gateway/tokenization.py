@@ -9,6 +9,7 @@ chat template) from `tokenizer.json` without importing torch, so the gateway use
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,22 @@ class GatewayTokenizer:
         if self.chat_template is not None:
             kwargs.setdefault("chat_template", self.chat_template)
         return await self._run(encode_chat, self.tokenizer, messages, **kwargs)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable (else tools cannot reach
+        the prompt)."""
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str):
+            return False
+        import jinja2
+        import jinja2.meta
+
+        try:
+            names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        except jinja2.TemplateError:  # extension tags plain Jinja does not know
+            return "tools" in template
+        return "tools" in names
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -95,9 +95,9 @@ the decode batch, and every prompt with this many uncached tokens still goes thr
 prefill service and a KV transfer."""
 
 
-_COMPAT_FLAGS = ("tokenizer", "chat-template", "metrics-compat")
+_COMPAT_FLAGS = ("tokenizer", "chat-template", "metrics-compat", "tool-call-parser")
 _COMPAT_LISTS = ("allowed-origins", "allowed-methods", "allowed-headers")
-_COMPAT_SWITCHES = ("allow-credentials", "protect-metrics")
+_COMPAT_SWITCHES = ("allow-credentials", "protect-metrics", "enable-auto-tool-choice")
 
 
 def _gateway_flags(ns: argparse.Namespace) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from services.gateway.config import read_chat_template
 from shared.proto import engine_pb2 as pb
 from tests.e2e.conftest import E2E_ENGINE, Urls
 from tests.e2e.structured_schemas import SCHEMAS
@@ -44,7 +45,10 @@ async def cluster(model_path) -> AsyncIterator[Cluster]:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
     urls = Urls((cluster.prefill.identity.address,), (cluster.decode.identity.address,))
-    async with running_gateway(model_path, urls, rpc_timeout=10.0) as gw:  # type: ignore[arg-type]
+    async with running_gateway(  # type: ignore[arg-type]
+            model_path, urls, rpc_timeout=10.0,
+            chat_template=read_chat_template("tool_chat_template_smollm2_hermes.jinja"),
+            enable_auto_tool_choice=True, tool_call_parser="hermes") as gw:
         gw.client = gw.client.with_options(timeout=120)
         yield gw
 
@@ -250,3 +254,86 @@ async def test_bad_constraints_are_400s_naming_the_field(gateway, body, param, s
             stream=stream, extra_body=body)
     error = info.value.body
     assert error["param"] == param, error
+
+
+# ---------------------------------------------------------------- tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone",
+    "parameters": {"type": "object", "properties": {
+        "timezone": {"type": "string", "maxLength": 24}}, "required": ["timezone"]}}}
+TOOLS = [WEATHER, CLOCK]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+QUESTION = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+
+
+async def _tool_calls(client, messages, *, stream: bool, **kwargs) -> tuple[list, str]:
+    """([(id, name, arguments)], finish_reason), streamed deltas reassembled by index."""
+    if not stream:
+        resp = await client.chat.completions.create(
+            model=SERVED_MODEL, messages=messages, tools=TOOLS, max_tokens=64,
+            temperature=0, **kwargs)
+        choice = resp.choices[0]
+        return [(c.id, c.function.name, c.function.arguments)
+                for c in choice.message.tool_calls or []], choice.finish_reason
+    calls: dict[int, list] = {}
+    finish = None
+    async for chunk in await client.chat.completions.create(
+            model=SERVED_MODEL, messages=messages, tools=TOOLS, max_tokens=64, temperature=0,
+            stream=True, **kwargs):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, [None, "", ""])
+                call[0] = d.id or call[0]
+                call[1] += (d.function.name or "") if d.function else ""
+                call[2] += (d.function.arguments or "") if d.function else ""
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}])
+async def test_forced_tool_calls_validate_and_stream_the_same(gateway, tool_choice):
+    whole, finish = await _tool_calls(gateway.client, QUESTION, stream=False,
+                                      tool_choice=tool_choice)
+    streamed, stream_finish = await _tool_calls(gateway.client, QUESTION, stream=True,
+                                                tool_choice=tool_choice)
+    assert finish == stream_finish == "tool_calls"
+    assert whole and [c[1:] for c in whole] == [c[1:] for c in streamed]
+    for call_id, name, arguments in whole + streamed:
+        assert call_id.startswith("call_")
+        jsonschema.validate(json.loads(arguments), PARAMETERS[name])
+    if isinstance(tool_choice, dict):
+        assert [c[1] for c in whole] == ["get_time"]
+
+
+async def test_a_follow_up_turn_with_the_tool_result(gateway):
+    calls, _ = await _tool_calls(gateway.client, QUESTION, stream=False,
+                                 tool_choice={"type": "function",
+                                              "function": {"name": "get_weather"}})
+    call_id, name, arguments = calls[0]
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"temperature": 18, "sky": '
+                                                             '"sunny"}'}]
+    resp = await gateway.client.chat.completions.create(
+        model=SERVED_MODEL, messages=messages, tools=TOOLS, tool_choice="auto",
+        max_tokens=32, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+
+
+async def test_an_unknown_function_in_tool_choice_is_a_400(gateway):
+    with pytest.raises(openai.BadRequestError) as info:
+        await gateway.client.chat.completions.create(
+            model=SERVED_MODEL, messages=QUESTION, tools=TOOLS, max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "launch_rocket"}})
+    assert info.value.body["param"] == "tool_choice"
