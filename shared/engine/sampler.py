@@ -10,9 +10,14 @@ Order of operations (logprobs from the raw logits, as vLLM v1 returns them by de
 
 Random rows are drawn with the exponential race (gpt-fast `multinomial_sample_one_no_sync`):
 argmax_i p_i / E_i with E_i ~ Exponential(1) picks i with probability p_i / sum(p), needs no
-normalized probabilities and no cumulative sum. A seeded row draws its E from its own
-generator, one per vocabulary token and indexed by token id, so its k-th sample depends only
-on its own logits and its own generator, never on the rest of the batch or on its row.
+normalized probabilities and no cumulative sum.
+
+Seeded rows are counter-based (the idea of Philox and JAX's keys): the random numbers of a
+request's output position k come from a generator seeded with `sample_key(seed, k)`, one
+value per vocabulary token, indexed by token id. Nothing is carried from one step to the
+next, so the k-th token depends only on (seed, k) and the row's own logits: never on the
+batch, the row, the instance, a preemption, or whether earlier tokens were sampled here (a
+split prefill -> decode, a failover that continues from the tokens so far).
 """
 
 from __future__ import annotations
@@ -27,6 +32,26 @@ from shared.request import TokenLogprobs
 
 _DEFAULT_NUM_TOP_P_CANDIDATES = 256
 _CANDIDATE_GROWTH = 16
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finalizer (Steele et al. 2014): a bijection of 64-bit ints that mixes
+    every input bit into every output bit."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_key(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's output position `position` (0 = the first
+    output token): a 64-bit hash of (seed, position), the same in every process.
+
+    NOTE: a CPU torch.Generator (mt19937) keeps the low 32 bits of its seed; they are mixed
+    from every bit of both inputs.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
 
 
 class SamplerOutput(NamedTuple):
@@ -37,11 +62,8 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row; owns the per-request generators of seeded requests.
-
-    A seeded request's generator is made (seeded with its seed) the first time the request
-    samples and advances with each of its samples; call `remove_requests` when requests
-    finish or are aborted to drop theirs.
+    """Samples one token per row. Keeps no per-request state: a seeded row's random numbers
+    are keyed by (seed, output position), see the module docstring.
 
     Args:
         seed: seeds the generator shared by unseeded rows (None: nondeterministic).
@@ -54,17 +76,11 @@ class Sampler:
                  num_top_p_candidates: int = _DEFAULT_NUM_TOP_P_CANDIDATES) -> None:
         self.seed = seed
         self.num_top_p_candidates = num_top_p_candidates
-        self._generators: dict[str, torch.Generator] = {}
         self._default_generators: dict[torch.device, torch.Generator] = {}
+        self._keyed_generators: dict[torch.device, torch.Generator] = {}
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
-        """Drop the generators of finished (or aborted) requests; unknown ids are ignored."""
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
-
-    @property
-    def num_generators(self) -> int:
-        return len(self._generators)
+        """Nothing to drop: no per-request state is kept (kept for the engine's calls)."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.
@@ -164,7 +180,8 @@ class Sampler:
         """[num_rows, width] float32 Exponential(1) draws, as -log(U) with U ~ U[0, 1).
 
         Unseeded rows draw `width` values from the shared generator. A seeded row draws one
-        value per vocabulary token from its own generator and takes those of its columns.
+        value per vocabulary token from a generator seeded with sample_key(seed, its output
+        position) and takes those of its columns.
         (-log U is ~6x faster on CPU than `Tensor.exponential_`, and never 0: no 0/0.)
         """
         uniform = torch.empty(shape, dtype=torch.float32, device=device)
@@ -172,7 +189,8 @@ class Sampler:
         if len(seeded) < len(rows):
             uniform.uniform_(generator=self._default_generator(device))
         for i, row in seeded:
-            generator = self._generator(md.request_ids[row], md.seeds[row], device)
+            generator = self._keyed_generator(device)
+            generator.manual_seed(sample_key(md.seeds[row], md.output_positions[row]))
             per_token = torch.rand(md.vocab_size, generator=generator, device=device)
             uniform[i] = per_token if ids is None else per_token[ids[i]]
         return uniform.log_().neg_()
@@ -188,12 +206,11 @@ class Sampler:
             self._default_generators[device] = generator
         return generator
 
-    def _generator(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(request_id)
+    def _keyed_generator(self, device: torch.device) -> torch.Generator:
+        """The generator re-seeded for each seeded row (its state never outlives the row)."""
+        generator = self._keyed_generators.get(device)
         if generator is None:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
-            self._generators[request_id] = generator
+            generator = self._keyed_generators[device] = torch.Generator(device=device)
         return generator
 
 

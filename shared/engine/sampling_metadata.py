@@ -62,7 +62,10 @@ class SamplingMetadata:
     """Some truncated row has top-p but no top-k (its nucleus may span the vocabulary)."""
     has_min_p: bool
     seeds: dict[int, int]
-    """Row -> seed, for seeded random rows (the Sampler keeps their generators)."""
+    """Row -> seed, for seeded random rows."""
+    output_positions: dict[int, int]
+    """Row -> the output position it samples now (its number of output tokens so far), for
+    the seeded rows: with the seed, the key of the row's random numbers (sampler.py)."""
     penalties: PenaltyInputs | None
     min_tokens_rows: torch.Tensor | None
     """[num_pairs] int64; with `min_tokens_token_ids`, the (row, token) logits set to -inf
@@ -113,6 +116,7 @@ class SamplingMetadata:
         truncated_rows: list[int] = []
         max_top_k = 0
         seeds: dict[int, int] = {}
+        output_positions: dict[int, int] = {}
         penalty_rows: list[int] = []
         suppress_rows: list[int] = []
         suppress_ids: list[int] = []
@@ -132,6 +136,7 @@ class SamplingMetadata:
             else:
                 if sp.seed is not None:
                     seeds[row] = sp.seed & _SEED_MASK
+                    output_positions[row] = request.num_output_tokens
                 if k < vocab_size or sp.top_p < 1.0:
                     truncated_rows.append(row)
                     if k < vocab_size:
@@ -170,6 +175,7 @@ class SamplingMetadata:
             has_top_p_without_top_k=any(top_k[r] == vocab_size for r in truncated_rows),
             has_min_p=any(min_p[r] > 0.0 for r in plain_rows + truncated_rows),
             seeds=seeds,
+            output_positions=output_positions,
             penalties=_build_penalties(requests, penalty_rows, vocab_size, device),
             min_tokens_rows=_to_index(suppress_rows, device),
             min_tokens_token_ids=_to_index(suppress_ids, device),
