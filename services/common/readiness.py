@@ -16,9 +16,16 @@ seconds on a loaded CPU (an 8k-token prompt's last 2048-token chunk took 27.8 s 
 while the loop not even starting a step with work queued is what a stall looks like. A step
 hung inside the kernels is still caught, later.
 
-Test hook: `stall_file_hook(path)` (ServiceConfig.test_stall_file, env
-PDSERVE_TEST_STALL_FILE) makes the engine thread sleep before each step that has requests
-to run while `path` exists: the loop stalls without anything else changing.
+Failing steps: a step that raises fails its requests over (shared/engine/async_engine.py);
+after FAILING_STEPS_NOT_SERVING steps in a row raised, health turns NOT_SERVING too (the
+gateway stops placing requests here), and back to SERVING after a step that does not raise.
+
+Test hooks (off by default):
+- `stall_file_hook(path)` (ServiceConfig.test_stall_file, env PDSERVE_TEST_STALL_FILE) makes
+  the engine thread sleep before each step that has requests to run while `path` exists:
+  the loop stalls without anything else changing.
+- `step_fault_hook(path)` (env PDSERVE_TEST_STEP_FAULT_FILE, read once at startup): while
+  `path` exists, every step raises RuntimeError before it runs the model.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ logger = logging.getLogger(__name__)
 _STALL_POLL_S = 0.02
 IN_STEP_FACTOR = 4.0
 """A step in progress is a stall only after this many stall_timeouts."""
+FAILING_STEPS_NOT_SERVING = 3
+"""Steps in a row that raised before health turns NOT_SERVING."""
+STEP_FAULT_ENV = "PDSERVE_TEST_STEP_FAULT_FILE"
 
 
 class StallWatchdog:
@@ -69,17 +79,24 @@ class StallWatchdog:
             self._task = None
 
     async def check(self) -> bool:
-        """One look; returns whether the engine is stalled now."""
+        """One look; returns whether the engine is stalled (or its steps keep failing)."""
         idle_for = self.engine.seconds_since_progress()
         in_step = self.engine.seconds_in_step() > 0.0
-        bound = self.stall_timeout * (IN_STEP_FACTOR if in_step else 1.0)
-        if not self.stalled and idle_for > bound:
+        bound = self.stall_timeout * (IN_STEP_FACTOR if in_step else 1.0) \
+            if self.stall_timeout > 0 else float("inf")
+        failures = self.engine.consecutive_step_failures
+        failing = failures >= FAILING_STEPS_NOT_SERVING
+        if not self.stalled and (idle_for > bound or failing):
             self.stalled, self._stalled_since = True, time.monotonic() - idle_for
-            logger.error("engine stalled: no step completed for %.1f s with work queued "
-                         "(--stall-timeout %g); health NOT_SERVING", idle_for,
-                         self.stall_timeout)
+            if failing:
+                logger.error("engine steps keep failing (%d in a row); health NOT_SERVING",
+                             failures)
+            else:
+                logger.error("engine stalled: no step completed for %.1f s with work "
+                             "queued (--stall-timeout %g); health NOT_SERVING", idle_for,
+                             self.stall_timeout)
             await self.on_change(True, idle_for)
-        elif self.stalled and idle_for <= bound:
+        elif self.stalled and idle_for <= bound and not failing:
             self.stalled = False
             duration = time.monotonic() - self._stalled_since
             logger.warning("engine progressing again after a %.1f s stall; health SERVING",
@@ -96,6 +113,14 @@ class StallWatchdog:
             except Exception:  # never let the watchdog take the service down
                 logger.exception("stall watchdog check failed")
             await asyncio.sleep(self.interval)
+
+
+def step_fault_hook(path: str) -> Callable[[], None]:
+    """The test hook: while `path` exists, raise (engine thread, before each step)."""
+    def hook() -> None:
+        if os.path.exists(path):
+            raise RuntimeError(f"injected step fault ({STEP_FAULT_ENV}={path})")
+    return hook
 
 
 def stall_file_hook(engine: AsyncEngine, path: str) -> Callable[[], None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -32,7 +33,12 @@ from services.common.config import ServiceConfig
 from services.common.errors import ServiceError
 from services.common.metrics import ServiceMetrics
 from services.common.monitor import InstanceMonitor
-from services.common.readiness import StallWatchdog, stall_file_hook
+from services.common.readiness import (
+    STEP_FAULT_ENV,
+    StallWatchdog,
+    stall_file_hook,
+    step_fault_hook,
+)
 from services.common.worker import EngineWorker, Identity
 from shared.config import grpc_keepalive_server_options
 from shared.engine.async_engine import AsyncEngine
@@ -126,6 +132,10 @@ class ServiceRuntime:
             logger.warning("test hook: the engine stalls while %s exists",
                            self.config.test_stall_file)
             engine.stall_hook = stall_file_hook(engine, self.config.test_stall_file)
+        fault_file = os.environ.get(STEP_FAULT_ENV, "")
+        if fault_file:
+            logger.warning("test hook: every engine step raises while %s exists", fault_file)
+            engine.fault_hook = step_fault_hook(fault_file)
         metrics = ServiceMetrics(core.model_config.served_model_name, self.registry)
         self.worker = self._make_worker(engine, self.config, self.identity, metrics,
                                         eos_token_id)
@@ -139,10 +149,11 @@ class ServiceRuntime:
             metrics_address = f"{host}:{self.metrics_port}"
         self.monitor = InstanceMonitor(self.worker, self.index, metrics_address)
         self.monitor.start()
-        if self.config.stall_timeout > 0:
-            self.watchdog = StallWatchdog(engine, self.config.stall_timeout,
-                                          self.config.stall_check_interval, self._on_stall)
-            self.watchdog.start()
+        # NOTE: also with --stall-timeout 0: it turns NOT_SERVING on failing steps too.
+        interval = self.config.stall_check_interval if self.config.stall_timeout > 0 else 1.0
+        self.watchdog = StallWatchdog(engine, self.config.stall_timeout, interval,
+                                      self._on_stall)
+        self.watchdog.start()
         if self.phase is Phase.LOADING:
             self.phase = Phase.SERVING
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -46,6 +46,11 @@ class EngineState(NamedTuple):
     quantization: str = "none"
 
 
+STATE_WAIT_S = {False: 0.5, True: 2.0}
+"""How long GetState waits for the engine thread (without / with the invariant check)
+before it answers from the counters alone."""
+
+
 def stats_op(engine: EngineCore) -> EngineStats:
     s = engine.scheduler.make_stats()
     pool = engine.kv_cache_manager.block_pool
@@ -155,13 +160,22 @@ class EngineWorker:
     # -- shared ------------------------------------------------------------------------------
 
     async def get_state(self, check_invariants: bool = False) -> EngineState:
+        """The state, from the engine thread between steps; while a step runs longer than
+        STATE_WAIT_S (or the thread is stuck), from its O(1) counters read here instead,
+        with the invariants reported as not checked (GetState must answer however busy)."""
         # NOTE: ownership moves between the engine thread and this loop (a request finishes
         # there, its pin is recorded here), so a request counts as owned if the worker
         # owned it just before or just after the check ran.
         owned = self.owned_request_ids()
-        stats, (error, orphans) = await self.engine.call(
-            lambda e: (stats_op(e),
-                       check_invariants_op(e, owned) if check_invariants else ("", [])))
+        try:
+            stats, (error, orphans) = await asyncio.wait_for(self.engine.call(
+                lambda e: (stats_op(e),
+                           check_invariants_op(e, owned) if check_invariants else ("", []))),
+                STATE_WAIT_S[check_invariants])
+        except TimeoutError:
+            stats, orphans = stats_op(self.engine.engine), []
+            error = (f"not checked: the engine has been in a step for "
+                     f"{self.engine.seconds_in_step():.1f} s") if check_invariants else ""
         orphans = [r for r in orphans if r not in self.owned_request_ids()]
         if orphans and not error:
             error = f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"

@@ -8,6 +8,11 @@ block on a model step (which holds the GIL only between torch kernels).
     grpc handler ──call(fn)──▶ op queue ──▶ engine thread: ops; step(); dispatch deltas
          ▲                                                        │
          └──────────── asyncio.Queue per request ◀────────────────┘
+
+A step that raises (a bad kernel input, out of memory, a bug) fails every request the engine
+holds: their blocks are freed and their streams raise EngineStepError, which the services
+answer INTERNAL, a status the gateway fails over (with the tokens so far). The engine goes
+on serving; `consecutive_step_failures` tells the readiness watchdog when it keeps failing.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ _IDLE_WAIT_S = 0.05
 _YIELD_WAIT_S = 0.005
 
 
+class EngineStepError(RuntimeError):
+    """The engine step that ran this request raised; the request was failed (blocks freed)
+    and another instance may continue it from the tokens it already produced."""
+
+
 class AsyncEngine:
     def __init__(self, engine: EngineCore, name: str = "engine") -> None:
         self.engine = engine
@@ -44,6 +54,12 @@ class AsyncEngine:
         """Monotonic start of the step running now (None between steps)."""
         self.stall_hook: Callable[[], None] | None = None
         """Test hook: called each loop iteration (e.g. to make the loop stall)."""
+        self.fault_hook: Callable[[], None] | None = None
+        """Test hook: called just before each step; what it raises fails the step."""
+        self.consecutive_step_failures = 0
+        """Steps in a row that raised (0 after a step that did not)."""
+        self.num_step_failures = 0
+        """Steps that raised since start."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -60,7 +76,8 @@ class AsyncEngine:
     async def generate(self, request: Request) -> AsyncIterator[RequestOutputDelta]:
         """Add `request` and yield its deltas until it finishes.
 
-        Raises ValueError (bad input) before yielding anything. If the consumer stops
+        Raises ValueError (bad input) before yielding anything, EngineStepError when a step
+        that ran it failed (the request is gone from the engine). If the consumer stops
         early (cancelled, closed), the request is aborted and its blocks freed.
         """
         structured_outputs = request.sampling_params.structured_outputs
@@ -77,7 +94,10 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                delta: RequestOutputDelta = await q.get()
+                delta: RequestOutputDelta | EngineStepError = await q.get()
+                if isinstance(delta, EngineStepError):
+                    finished = True  # the engine already dropped the request
+                    raise delta
                 finished = delta.finished
                 yield delta
         finally:
@@ -140,13 +160,19 @@ class AsyncEngine:
                 continue
             self.step_started = time.monotonic()
             try:
+                if self.fault_hook is not None:
+                    self.fault_hook()
                 deltas = self.engine.step()
-            except Exception:  # a bug, not bad input: fail the requests, keep serving
-                logger.exception("engine step failed; aborting its running requests")
-                self._fail_all()
+            except Exception as e:  # not bad input: fail the requests over, keep serving
+                self.consecutive_step_failures += 1
+                self.num_step_failures += 1
+                logger.exception("engine step failed (%d in a row); failing its requests",
+                                 self.consecutive_step_failures)
+                self._fail_all(e)
                 continue
             finally:
                 self.step_started = None
+            self.consecutive_step_failures = 0
             self.num_steps += 1
             self.last_step_time = time.monotonic()
             self._dispatch(deltas)
@@ -203,8 +229,18 @@ class AsyncEngine:
         self._dispatch([RequestOutputDelta(i, [], [], FinishReason.ABORT, None) for i in ids])
         return ids
 
-    def _fail_all(self) -> None:
-        self._abort_op(list(self.engine.scheduler.requests))
+    def _fail_all(self, error: Exception) -> None:
+        """Drop every request the engine holds (blocks freed); their streams raise."""
+        ids = [r.request_id for r in
+               self.engine.abort_requests(list(self.engine.scheduler.requests))]
+        failure = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id in ids:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                batches.setdefault(stream[0], []).append((stream[1], failure))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:

@@ -6,6 +6,9 @@ The tests run in file order on one cluster:
 0. SIGSTOP of a decode process (frozen, as if partitioned) while 4 greedy streams run: its
    streams fail over once keepalive closes the connection; every client gets the undisturbed
    answer within FROZEN_BOUND_S; SIGCONT, and the instance serves again, no block leaked;
+0b. an exception injected into a decode process's steps (PDSERVE_TEST_STEP_FAULT_FILE)
+   while 8 greedy streams run: its streams fail over with the undisturbed answers; after 3
+   failing steps it is NOT_SERVING and gets no new request; cleared, it serves again;
 then each kills a process:
 1. kill -9 of a decode process while 8 greedy streams run: every client gets the answer of an
    undisturbed run (same 8 requests first), with no error event;
@@ -21,12 +24,16 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import grpc
 import pytest
 import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.health import InstanceStatus
 from shared import config as shared_config
+from shared.proto import engine_pb2, engine_pb2_grpc
 from tests.conftest import PARITY_MESSAGES
 from tests.e2e.conftest import Urls
 from tests.procs import ServiceGroup, ServiceProcess
@@ -35,6 +42,8 @@ from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, runnin
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 MAX_TOKENS = 48
+SEEDED_TOKENS = 64
+SEEDS = list(range(2000, 2008))
 KILL_AFTER_TOKENS = 8
 """Kill once every unfinished stream has received this many content chunks (~tokens)."""
 KEEPALIVE_S = 1.0
@@ -42,6 +51,8 @@ KEEPALIVE_S = 1.0
 NUM_FROZEN_STREAMS = 4
 FROZEN_BOUND_S = 45.0
 """Every stream ends within this after the SIGSTOP (without keepalive: --request-timeout)."""
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 NUMBERS: dict[str, object] = {}
 """What the tests measured (printed at the end of the module, for docs/reliability.md)."""
 REFERENCE: list = []
@@ -68,16 +79,22 @@ class StreamResult:
 class Cluster:
     prefill: ServiceProcess
     decodes: list[ServiceProcess]
+    fault_files: list[Path]
+    """Per decode: while the file exists, each of its engine steps raises (a test hook)."""
 
 
 @pytest.fixture(scope="module")
 def cluster(model_path, tmp_path_factory) -> Iterator[Cluster]:
-    with ServiceGroup(tmp_path_factory.mktemp("failover")) as group:
+    root = tmp_path_factory.mktemp("failover")
+    with ServiceGroup(root) as group:
         env = {"PDSERVE_GRPC_KEEPALIVE_S": str(KEEPALIVE_S)}
         prefill = group.start("prefill", model_path, env=env)
-        decodes = [group.start("decode", model_path, env=env) for _ in range(2)]
+        faults = [root / f"decode-{i}.fault" for i in range(2)]
+        decodes = [group.start("decode", model_path,
+                               env={**env, "PDSERVE_TEST_STEP_FAULT_FILE": str(fault)})
+                   for fault in faults]
         group.wait_serving()
-        yield Cluster(prefill, decodes)
+        yield Cluster(prefill, decodes, faults)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -97,8 +114,15 @@ def _body(messages: list[dict]) -> dict:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def _stream(gw: RunningGateway, messages: list[dict], result: StreamResult) -> None:
-    async with gw.http.stream("POST", "/v1/chat/completions", json=_body(messages),
+def _seeded_body(messages: list[dict], seed: int) -> dict:
+    """Seeded sampling (issue 13): temperature 1, top_p 0.9, 64 tokens."""
+    return {**_body(messages), "temperature": 1.0, "top_p": 0.9, "seed": seed,
+            "max_tokens": SEEDED_TOKENS, "ignore_eos": True}
+
+
+async def _stream(gw: RunningGateway, messages: list[dict], result: StreamResult,
+                  body: dict | None = None) -> None:
+    async with gw.http.stream("POST", "/v1/chat/completions", json=body or _body(messages),
                               timeout=120) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -199,35 +223,124 @@ async def test_frozen_decode_streams_fail_over(gateway, cluster):
         "all_done_after_sigstop_s": round(done_s, 2), "blocks_leaked": state.num_used_blocks}
 
 
+async def _health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10)
+    return resp.status
+
+
+async def _until_async(predicate, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _generate_on(address: str, request_id: str) -> list[int]:
+    """A small greedy Generate straight to one decode instance (it prefills locally)."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = engine_pb2_grpc.DecodeServiceStub(ch).Generate(engine_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=list(range(500, 520)),
+            sampling_params=engine_pb2.SamplingParams(temperature=0.0, max_tokens=4)),
+            timeout=60)
+        return [t async for chunk in call for t in chunk.token_ids]
+
+
+async def test_a_failing_decode_step_fails_its_streams_over(gateway, cluster):
+    reference = await _reference(gateway)
+    engine = gateway.app.state.gateway.engine
+    before = (_stats(gateway).decode_failovers, _stats(gateway).exhausted)
+    results = [StreamResult() for _ in PARITY_MESSAGES]
+    run = asyncio.ensure_future(_run_all(gateway, results))
+    await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results) or run.done(),
+                 "every stream to get going")
+    assert not run.done()
+    i = max(range(2), key=lambda j: engine.placer.num_in_flight(cluster.decodes[j].address))
+    victim, fault = cluster.decodes[i], cluster.fault_files[i]
+    on_victim = engine.placer.num_in_flight(victim.address)
+    fault.touch()
+    try:
+        await run
+        _assert_same(results, reference)  # greedy: the same answers, no error event
+        failovers = _stats(gateway).decode_failovers - before[0]
+        assert 1 <= failovers <= on_victim and _stats(gateway).exhausted == before[1]
+        # Two more failing steps (one failed step per call, the request's own).
+        for k in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _generate_on(victim.address, f"fault-{k}")
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert "injected step fault" in (info.value.details() or "")
+        await _until_async(lambda: _is(victim.address, NOT_SERVING), "NOT_SERVING", 10)
+        await _until(lambda: engine.health.status(victim.address)
+                     is InstanceStatus.NOT_SERVING, "the gateway to see it", 10)
+        state = await engine.backend.get_state(victim.address, "decode", True)
+        assert state.num_used_blocks == state.num_running == 0 and state.invariants_ok
+        # Routed around: every new stream completes, none was placed there (any would fail).
+        counters = (_stats(gateway).decode_failovers, _stats(gateway).prefill_retries)
+        again = [StreamResult() for _ in PARITY_MESSAGES[:4]]
+        await asyncio.wait_for(asyncio.gather(*(
+            _stream(gateway, m, r) for m, r in zip(PARITY_MESSAGES, again))), 300)
+        _assert_same(again, reference[:4])
+        assert (_stats(gateway).decode_failovers, _stats(gateway).prefill_retries) == counters
+    finally:
+        fault.unlink(missing_ok=True)
+    # Cleared: a step that goes through turns it SERVING again (the next tests need it).
+    assert len(await _generate_on(victim.address, "after-fault")) == 4
+    await _until_async(lambda: _is(victim.address, SERVING), "SERVING again", 10)
+    await _until(lambda: engine.health.status(victim.address) is InstanceStatus.SERVING,
+                 "the gateway to see it serving", 10)
+    NUMBERS["decode_step_fault"] = {
+        "streams": len(results), "streams_on_faulty_instance": on_victim,
+        "decode_failovers": failovers, "client_errors": 0, "answers_identical": len(results),
+        "not_serving_after_failing_steps": 3, "new_streams_placed_there": 0}
+
+
+async def _is(address: str, status: int) -> bool:
+    return await _health(address) == status
+
+
 async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
     reference = await _reference(gateway)
     before = _stats(gateway).decode_failovers
     assert all(len(r.texts) > KILL_AFTER_TOKENS for r in reference)  # all run at the kill
 
+    # Seeded streams too (8 seeds x 64 tokens, temperature 1, top_p 0.9): their undisturbed
+    # answers first; counter-based sampling gives the same tokens after the failover.
+    bodies = [_seeded_body(m, seed) for m, seed in zip(PARITY_MESSAGES, SEEDS, strict=True)]
+    seeded_reference = [StreamResult() for _ in bodies]
+    await asyncio.wait_for(asyncio.gather(*(
+        _stream(gateway, [], r, b) for r, b in zip(seeded_reference, bodies))), 300)
+    assert all(r.completion_tokens == SEEDED_TOKENS for r in seeded_reference)
+
     victim = cluster.decodes[0]
     results = [StreamResult() for _ in PARITY_MESSAGES]
+    seeded = [StreamResult() for _ in bodies]
     started = time.monotonic()
-    run = asyncio.ensure_future(_run_all(gateway, results))
-    await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results) or run.done(),
-                 "every stream to get going")
+    run = asyncio.ensure_future(asyncio.gather(_run_all(gateway, results), *(
+        _stream(gateway, [], r, b) for r, b in zip(seeded, bodies))))
+    await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results + seeded)
+                 or run.done(), "every stream to get going")
     assert not run.done()
     killed_at = time.monotonic()
     on_victim = gateway.app.state.gateway.engine.placer.num_in_flight(victim.address)
     victim.kill()
-    await run
+    await asyncio.wait_for(run, 300)
     NUMBERS["failover_run_s"] = round(time.monotonic() - started, 2)
 
     _assert_same(results, reference)
+    _assert_same(seeded, seeded_reference)
     stats = _stats(gateway)
     assert 1 <= stats.decode_failovers - before <= on_victim
     assert stats.exhausted == 0
     # time to recover: the longest pause a failed-over client saw around the kill
     gaps = [max(b - a for a, b in zip(r.times, r.times[1:]) if b > killed_at)
-            for r in results if r.times[-1] > killed_at]
+            for r in results + seeded if r.times[-1] > killed_at]
     NUMBERS["decode_kill"] = {
-        "streams": len(results), "kills": 1, "streams_on_killed_instance": on_victim,
+        "streams": len(results) + len(seeded), "seeded_streams": len(seeded), "kills": 1,
+        "streams_on_killed_instance": on_victim,
         "decode_failovers": stats.decode_failovers - before, "client_errors": 0,
-        "answers_identical": len(results),
+        "answers_identical": len(results) + len(seeded),
         "worst_gap_after_kill_s": round(max(gaps), 3)}
 
 

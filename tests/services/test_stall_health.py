@@ -18,6 +18,7 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import ServiceConfig
+from services.common.worker import STATE_WAIT_S
 from shared.proto import engine_pb2 as pb
 from shared.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import running_gateway
@@ -128,6 +129,16 @@ async def test_a_stalled_decode_loop_turns_health_503_and_back(stallable, model_
 
         await asyncio.sleep(1.0)  # stays NOT_SERVING while the stall lasts
         assert await _status(s) == NOT_SERVING and not stalled.done()
+        # GetState answers too, from the engine's counters (the thread takes no ops now).
+        for check in (False, True):
+            asked = time.monotonic()
+            state = await s.stub.GetState(pb.GetStateRequest(check_invariants=check),
+                                          timeout=RPC_TIMEOUT)
+            waited = time.monotonic() - asked
+            assert waited <= STATE_WAIT_S[check] + SLACK, (check, waited)
+            assert state.num_running + state.num_waiting == 1 and state.num_used_blocks > 0
+            assert state.invariants_ok is not check
+        assert state.invariants_error.startswith("not checked")
 
         s.stall_file.unlink()
         resumed = time.monotonic()
@@ -154,6 +165,7 @@ class _Clock:
     def __init__(self) -> None:
         self.since_progress = 0.0
         self.in_step = 0.0
+        self.consecutive_step_failures = 0
 
     def seconds_since_progress(self) -> float:
         return self.since_progress
@@ -184,3 +196,26 @@ async def test_watchdog_tells_a_long_step_from_a_stall():
     clock.since_progress, clock.in_step = 31.0, 0.0  # work queued, no step started
     assert await dog.check() is True
     assert changes == [True, False, True]
+
+
+async def test_watchdog_turns_not_serving_after_three_failing_steps():
+    from services.common.readiness import FAILING_STEPS_NOT_SERVING, StallWatchdog
+
+    changes: list[bool] = []
+
+    async def on_change(stalled: bool, seconds: float) -> None:
+        changes.append(stalled)
+
+    clock = _Clock()
+    for timeout in (30.0, 0.0):  # --stall-timeout 0 disables stalls, not this
+        dog = StallWatchdog(clock, stall_timeout=timeout, interval=1.0,  # type: ignore[arg-type]
+                            on_change=on_change)
+        changes.clear()
+        for failures in range(FAILING_STEPS_NOT_SERVING):
+            clock.consecutive_step_failures = failures
+            assert await dog.check() is False
+        clock.consecutive_step_failures = FAILING_STEPS_NOT_SERVING
+        assert await dog.check() is True
+        clock.consecutive_step_failures = 0  # a step went through
+        assert await dog.check() is False
+        assert changes == [True, False] and FAILING_STEPS_NOT_SERVING == 3
