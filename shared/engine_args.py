@@ -62,7 +62,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     core_share: str = ""
     scheduling_policy: str = "sjf"
-    burst_gap_ms: float = 0.0
+    burst_gap_ms: float = 4.0
     max_decode_stall_ms: float = 0.0
     quantization: str = "none"
     seed: int | None = None
