@@ -45,15 +45,31 @@ def grpc_keepalive_channel_options(keepalive_s: float | None = None) -> list[tup
             ("grpc.http2.max_pings_without_data", 0)]
 
 
+SERVER_KEEPALIVE_S = min(GRPC_KEEPALIVE_S, 2.0)
+"""Seconds between the servers' own keepalive pings to their clients (the gateway, a decode
+fetching KV): a client that stops answering (frozen, gone without a FIN) has its streams
+cancelled, so their requests are aborted and their KV blocks freed, within about
+SERVER_KEEPALIVE_S + SERVER_KEEPALIVE_TIMEOUT_S (6 s by default) instead of at their
+deadline."""
+SERVER_KEEPALIVE_TIMEOUT_S = min(GRPC_KEEPALIVE_TIMEOUT_S, 2 * SERVER_KEEPALIVE_S)
+"""Seconds a server's keepalive ping waits for its ack before the connection is closed."""
+
+
 def grpc_keepalive_server_options() -> list[tuple[str, int]]:
-    """gRPC server options that accept clients' keepalive pings, also on idle connections,
-    as often as every min(1, GRPC_KEEPALIVE_S) seconds (half that, for timer jitter), instead
-    of answering GOAWAY too_many_pings: clients with any interval of 1 s or more are fine,
-    whatever this process's own setting."""
+    """gRPC server options: ping every client every SERVER_KEEPALIVE_S seconds (the
+    connection closes when a ping is not acked within SERVER_KEEPALIVE_TIMEOUT_S), and accept
+    clients' keepalive pings, also on idle connections, as often as every
+    min(1, GRPC_KEEPALIVE_S) seconds (half that, for timer jitter), instead of answering
+    GOAWAY too_many_pings: clients with any interval of 1 s or more are fine, whatever this
+    process's own setting."""
     min_interval_ms = int(min(1.0, GRPC_KEEPALIVE_S) * 500)
     return [("grpc.keepalive_permit_without_calls", 1),
             # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS in grpc_types.h
-            ("grpc.http2.min_ping_interval_without_data_ms", min_interval_ms)]
+            ("grpc.http2.min_ping_interval_without_data_ms", min_interval_ms),
+            ("grpc.keepalive_time_ms", int(SERVER_KEEPALIVE_S * 1000)),
+            ("grpc.keepalive_timeout_ms", int(SERVER_KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(SERVER_KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.http2.max_pings_without_data", 0)]
 
 
 @dataclass(frozen=True, slots=True)
