@@ -164,7 +164,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-    """Accepted; with tool_choice "required" the model may make one call or several."""
+    """False: tool_choice "required" makes exactly one call (default: one or more)."""
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -49,6 +49,8 @@ class ToolMode:
     """"none", "auto", "required", or "named"."""
     named: str | None = None
     """The function a named tool_choice forces."""
+    parallel: bool = True
+    """`required` may make several calls (OpenAI's parallel_tool_calls)."""
 
     @property
     def parses_calls(self) -> bool:
@@ -64,7 +66,7 @@ class ToolMode:
             # far more often than its end of turn, and a "\n" separator let a small model
             # chain calls until max_tokens.
             fmt = {"type": "tags_with_separator", "tags": tags, "separator": "",
-                   "at_least_one": True}
+                   "at_least_one": True, "stop_after_first": not self.parallel}
         elif self.choice == "named":
             fmt = _call_tag(next(t for t in self.tools if t.name == self.named))
         else:
@@ -143,7 +145,7 @@ def resolve_tool_mode(req: ChatCompletionRequest, *, enable_auto_tool_choice: bo
         raise bad_request("the chat template cannot render tools; start the server with a "
                           "tool template, e.g. --chat-template "
                           "tool_chat_template_smollm2_hermes.jinja", "tools")
-    return ToolMode(tools, choice, named)
+    return ToolMode(tools, choice, named, req.parallel_tool_calls is not False)
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict]:

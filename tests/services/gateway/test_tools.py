@@ -97,6 +97,9 @@ def test_forced_modes_carry_a_structural_tag():
     required = _mode(tools=TOOLS, tool_choice="required")
     tag = json.loads(required.structured_outputs.structural_tag)
     assert tag["format"]["type"] == "tags_with_separator" and tag["format"]["at_least_one"]
+    assert not tag["format"]["stop_after_first"]
+    single = _mode(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(single.structured_outputs.structural_tag)["format"]["stop_after_first"]
     named = _mode(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})
     assert json.loads(named.structured_outputs.structural_tag)["format"]["begin"] == \
         '<tool_call>\n{"name": "f", "arguments": '
