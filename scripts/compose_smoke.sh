@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Compose for real, with no image registry: build a local Debian base image (debootstrap +
 # docker import), `docker compose build` and `up`, send one chat completion through the
-# gateway, check the answer, check that only the gateway publishes a port, stop the stack
-# (engines must drain and exit 0) and bring everything down.
+# gateway, check the answer, check that only the gateway publishes a port, scale out to two
+# prefill and two decode replicas (they register in Redis; 12 concurrent requests must all
+# succeed and reach every replica), stop the stack (every engine must drain and exit 0) and
+# bring everything down.
 #
 #   scripts/compose_smoke.sh          # as root: installs docker.io / debootstrap if missing,
 #                                     # starts dockerd if none answers (and stops it after)
 #
-# Environment: SMOKE_TIMEOUT (seconds for the whole run, default 2400), KEEP_IMAGES=0 (remove
-# the images at the end; default keeps them, so a rerun builds from cache), DEBIAN_MIRROR,
-# SMOKE_LOG_DIR (build log, default /tmp/pdserve-smoke-logs).
+# Environment: SMOKE_TIMEOUT (seconds for the whole run, default 2400), SMOKE_SCALE=0 (skip
+# the scale-out), KEEP_IMAGES=0 (remove the images at the end; default keeps them, so a rerun
+# builds from cache), DEBIAN_MIRROR, SMOKE_LOG_DIR (build log, default
+# /tmp/pdserve-smoke-logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -169,16 +172,64 @@ answer=$(printf '%s' "$resp" | "$PY" -c \
 log "answer: $answer"
 [[ $answer == *Paris* ]] || { log "the answer does not name Paris"; exit 1; }
 
-# 8. Stop: SIGTERM, drain, exit codes.
+# 8. Scale out (SMOKE_SCALE=0 skips it): two prefill and two decode replicas join the
+# running stack; each registers its container IP in Redis and the gateway, which has no
+# instance list, spreads concurrent requests over them.
+if [ "${SMOKE_SCALE:-1}" != 0 ]; then
+  log "compose up --scale prefill=2 --scale decode=2"
+  scale_started=$SECONDS
+  bounded "${COMPOSE[@]}" up -d --no-recreate --scale prefill=2 --scale decode=2 2>&1
+  registered() {  # live registrations of role $1 in Redis
+    "${COMPOSE[@]}" exec -T redis redis-cli --raw --scan --pattern "pdserve:instance:$1-*" \
+      | grep -c . || true
+  }
+  until [ "$(registered prefill)" = 2 ] && [ "$(registered decode)" = 2 ]; do
+    ((SECONDS < BUDGET)) || { log "the replicas never registered"; exit 1; }
+    sleep 2
+  done
+  log "2 prefill + 2 decode registered in $((SECONDS - scale_started)) s:"
+  for key in $("${COMPOSE[@]}" exec -T redis redis-cli --raw --scan \
+                 --pattern 'pdserve:instance:*'); do
+    log "  $("${COMPOSE[@]}" exec -T redis redis-cli --raw GET "$key")"
+  done
+  served() {  # requests finished by replica $2 of service $1
+    "${COMPOSE[@]}" exec -T --index "$2" "$1" python -c 'import urllib.request as u
+print(sum(float(l.split()[-1]) for l in u.urlopen("http://127.0.0.1:'"$3"'/metrics")
+  .read().decode().splitlines() if l.startswith("pdserve_request_success_total")))'
+  }
+  pids=()
+  for i in $(seq 12); do
+    curl -sS -m 300 -o "$WORK/scaled-$i.json" -w '%{http_code}\n' "$URL/v1/chat/completions" \
+      -H 'Content-Type: application/json' -H "Authorization: Bearer ${PDSERVE_API_KEY:-none}" \
+      -d '{"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 16,
+           "messages": [{"role": "user", "content": "Count from '"$i"' to '"$((i + 5))"'."}]}' \
+      >"$WORK/scaled-$i.code" &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  codes=$(cat "$WORK"/scaled-*.code | sort | uniq -c | tr -s ' ')
+  log "12 concurrent requests: HTTP$codes"
+  [ "$(grep -c '^200$' "$WORK"/scaled-*.code | awk -F: '{s += $2} END {print s}')" = 12 ] \
+    || { log "a request through the scaled stack failed"; exit 1; }
+  for svc in prefill:9051 decode:9052; do
+    counts=$(for i in 1 2; do served "${svc%:*}" "$i" "${svc#*:}"; done | tr '\n' ' ')
+    log "${svc%:*} replicas finished: $counts"
+    for n in $counts; do
+      [ "${n%.*}" -gt 0 ] || { log "a ${svc%:*} replica got no request"; exit 1; }
+    done
+  done
+fi
+
+# 9. Stop: SIGTERM, drain, exit codes (every replica).
 log "compose stop"
 bounded "${COMPOSE[@]}" stop --timeout 30 >/dev/null 2>&1
 for svc in gateway prefill decode redis; do
-  id=$("${COMPOSE[@]}" ps -a -q "$svc")
-  log "$svc exited $(docker inspect -f '{{.State.ExitCode}}' "$id")"
-done
-for svc in prefill decode; do
-  id=$("${COMPOSE[@]}" ps -a -q "$svc")
-  [ "$(docker inspect -f '{{.State.ExitCode}}' "$id")" = 0 ] \
-    || { log "$svc did not drain to exit 0"; exit 1; }
+  for id in $("${COMPOSE[@]}" ps -a -q "$svc"); do
+    code=$(docker inspect -f '{{.State.ExitCode}}' "$id")
+    log "$svc ${id:0:12} exited $code"
+    if [ "$svc" = prefill ] || [ "$svc" = decode ]; then
+      [ "$code" = 0 ] || { log "$svc did not drain to exit 0"; exit 1; }
+    fi
+  done
 done
 log "OK"

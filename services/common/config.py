@@ -26,7 +26,9 @@ class ServiceConfig:
     port: int = 0
     """gRPC port; 0 picks a free one (tests)."""
     advertise_address: str = ""
-    """host:port others reach this instance at (KV handles, the registry); "" derives it."""
+    """HOST[:PORT] others reach this instance at (KV handles, the registry; a bare HOST gets
+    the bound port); "" derives it: the bind host, or with a wildcard bind this host's address
+    on its route to Redis (services/common/advertise.py)."""
     instance_id: str = ""
     """Unique name in the registry; "" derives `{role}-{hostname}-{port}`."""
     metrics_port: int | None = None
@@ -81,12 +83,10 @@ class ServiceConfig:
                 ("grpc.max_receive_message_length", self.max_message_bytes)]
 
     def resolve_address(self, bound_port: int) -> str:
-        if self.advertise_address:
-            return self.advertise_address
-        host = self.host
-        if host in ("", "0.0.0.0", "::", "[::]"):
-            host = socket.gethostname()
-        return f"{host}:{bound_port}"
+        """host:port others reach this instance at (services/common/advertise.py)."""
+        from services.common.advertise import advertise_address
+
+        return advertise_address(self.advertise_address, self.host, bound_port, self.redis_url)
 
     def resolve_instance_id(self, bound_port: int) -> str:
         return self.instance_id or f"{self.role}-{socket.gethostname()}-{bound_port}"
@@ -103,7 +103,8 @@ def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.Ar
     g.add_argument("--host", default=_env("host", d.host))
     g.add_argument("--port", type=int, default=int(_env("port", port)))
     g.add_argument("--advertise-address", default=_env("advertise_address", ""),
-                   help="host:port other instances use to reach this one")
+                   help="HOST[:PORT] other hosts reach this instance at (default: the --host "
+                        "address; with 0.0.0.0 this host's address on its route to Redis)")
     g.add_argument("--instance-id", default=_env("instance_id", ""))
     g.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", metrics_port)),
                    help="Prometheus endpoint port (-1 disables it)")

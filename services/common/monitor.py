@@ -7,6 +7,10 @@ refreshed. When Redis was unreachable (events were dropped) or lost our keys (re
 TTL lapsed) the monitor republishes the whole hash map, snapshotted on the engine thread
 together with the event drain so that nothing falls between the two. The `pdserve_redis_up`
 gauge follows the index's connection state after every tick and heartbeat.
+
+`leave()` (a draining instance) drops the registration and the held set at once and stops
+writing to Redis, so every gateway stops routing here within its registry cache (1 s),
+while the metrics keep following the requests that finish.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class InstanceMonitor:
         """Redis may not match our cache: republish everything at the next chance."""
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self._left = False
+        """leave() was called: nothing more is written to Redis."""
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -56,8 +62,17 @@ class InstanceMonitor:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self.index is not None:
-            await self.index.unregister(self.worker.identity.instance_id)
+        await self.leave()
+
+    async def leave(self) -> None:
+        """Unregister now and for good (idempotent); the engine's metrics keep updating.
+        Should Redis not answer, the registration expires within its TTL all the same."""
+        if self.index is None or self._left:
+            return
+        async with self._lock:
+            self._left = True
+            if await self.index.unregister(self.worker.identity.instance_id):
+                logger.info("%s left the registry", self.worker.identity.instance_id)
 
     def info(self) -> InstanceInfo:
         w, s = self.worker, self.stats
@@ -89,7 +104,7 @@ class InstanceMonitor:
                 lambda e: (e.kv_cache_manager.take_events(), stats_op(e)))
             self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks(),
                                               self.worker.num_pending())
-            if self.index is None:
+            if self.index is None or self._left:
                 return
             try:
                 if self.dirty:
@@ -103,7 +118,7 @@ class InstanceMonitor:
                 self.worker.metrics.redis_up(self.index.is_up)
 
     async def heartbeat(self) -> None:
-        if self.index is None:
+        if self.index is None or self._left:
             return
         async with self._lock:
             is_new = await self.index.register(self.info())

@@ -4,9 +4,9 @@
               registry monitor, stall watchdog ─▶ health SERVING
     stalled:  work queued, no engine step for `stall_timeout` ─▶ NOT_SERVING until steps
               resume (readiness; liveness is the server answering at all)
-    stop():   health NOT_SERVING, new Prefill/Generate refused (UNAVAILABLE) ─▶ in-flight
-              requests and pinned KV get `grace_period` ─▶ server.stop ─▶ unregister ─▶
-              engine thread joined
+    stop():   health NOT_SERVING, new Prefill/Generate refused (UNAVAILABLE), unregistered
+              from Redis (gateways stop placing here) ─▶ in-flight requests and pinned KV
+              get `grace_period` ─▶ server.stop ─▶ engine thread joined
 
 The servicers hold the runtime and ask it for the worker on every call, so they can be
 registered before the model is loaded (they answer UNAVAILABLE meanwhile).
@@ -200,6 +200,8 @@ class ServiceRuntime:
         deadline = time.monotonic() + grace
         self.phase = Phase.DRAINING
         await self._health.enter_graceful_shutdown()
+        if self.monitor is not None:  # streams and KV fetches in flight know our address
+            await self._bounded("registry leave", self.monitor.leave(), 5)
         worker = self.worker
         while worker is not None and time.monotonic() < deadline and (
                 worker.num_in_flight() or worker.num_pinned_blocks()):

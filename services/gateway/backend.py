@@ -4,13 +4,15 @@ One channel per address (created lazily, on the running loop), the prefill and d
 over it, a deadline on every call and `x-request-id` metadata on every call. Every channel
 pings its instance (HTTP/2 keepalive, shared/config.py GRPC_KEEPALIVE_S), so the calls to a
 frozen or partitioned instance fail with UNAVAILABLE within seconds (and fail over) instead of
-hanging until `request_timeout`.
+hanging until `request_timeout`. The channel of an instance that left the registry is
+closed by `forget` once no Prefill or Generate call runs on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from typing import NamedTuple
 
 import grpc
@@ -61,6 +63,8 @@ class EngineBackend:
             (("authorization", f"Bearer {internal_token}"),) if internal_token else ())
         self._channels: dict[str, _Channel] = {}
         self._background: set[asyncio.Task] = set()
+        self._active: Counter[str] = Counter()
+        """Prefill and Generate calls in flight per address."""
 
     def _get(self, address: str) -> _Channel:
         ch = self._channels.get(address)
@@ -83,14 +87,36 @@ class EngineBackend:
 
     async def prefill(self, address: str, request: engine_pb2.PrefillRequest,
                       request_id: str) -> engine_pb2.PrefillResponse:
-        return await self._get(address).prefill.Prefill(
-            request, timeout=self.request_timeout, metadata=self._metadata(request_id))
+        self._active[address] += 1
+        try:
+            return await self._get(address).prefill.Prefill(
+                request, timeout=self.request_timeout, metadata=self._metadata(request_id))
+        finally:
+            self._call_done(address)
 
     def generate(self, address: str, request: engine_pb2.DecodeRequest,
                  request_id: str) -> grpc.aio.UnaryStreamCall:
         """The decode stream; iterate it, `cancel()` it to stop."""
-        return self._get(address).decode.Generate(
+        call = self._get(address).decode.Generate(
             request, timeout=self.request_timeout, metadata=self._metadata(request_id))
+        self._active[address] += 1
+        call.add_done_callback(lambda _: self._call_done(address))
+        return call
+
+    def _call_done(self, address: str) -> None:
+        self._active[address] -= 1
+        if self._active[address] <= 0:
+            del self._active[address]
+
+    def forget(self, address: str) -> bool:
+        """Close the channel of an instance that is gone; False (nothing closed) while a
+        Prefill or Generate call still runs on it. A later call opens a new one."""
+        if self._active[address] > 0:
+            return False
+        ch = self._channels.pop(address, None)
+        if ch is not None:
+            self._spawn(ch.channel.close())
+        return True
 
     async def get_state(self, address: str, role: str,
                         check_invariants: bool = False) -> engine_pb2.EngineState:

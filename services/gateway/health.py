@@ -6,6 +6,10 @@
     refresh(addresses, bound) live checks that wait at most `bound` seconds (/health,
                               placement when nothing is usable)
 
+The poll follows `instances()`: an instance that registers is checked from the next poll
+on; one missing from the list for FORGET_AFTER_S (it left or its registration expired) is
+forgotten, its channel closed once no call runs on it.
+
 Status per address: SERVING, NOT_SERVING (loading, draining, stalled), UNREACHABLE (no
 answer within the check timeout, or a failed call), UNKNOWN (never checked). Placement uses
 every instance that is not NOT_SERVING or UNREACHABLE; `/health` wants SERVING.
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 MISSES_UNTIL_UNREACHABLE = 2
 """Unanswered polls in a row before a SERVING instance counts as UNREACHABLE."""
+FORGET_AFTER_S = 30.0
+"""Seconds an address may be missing from `instances()` before its status is dropped."""
 
 
 class InstanceStatus(enum.Enum):
@@ -58,6 +64,7 @@ class HealthTracker:
         self._failed_at: dict[str, float] = {}
         self._misses: dict[str, int] = {}
         """Consecutive unanswered polls per address (a busy instance may miss one)."""
+        self._missing_since: dict[str, float] = {}
         self._checks: dict[str, asyncio.Task] = {}
         """The latest check of each address; `_tasks` holds every one still running."""
         self._tasks: set[asyncio.Task] = set()
@@ -144,11 +151,25 @@ class HealthTracker:
             log = logger.warning if old is InstanceStatus.SERVING else logger.info
             log("instance %s: %s -> %s (%s)", address, old.value, status.value, why)
 
+    def _forget_departed(self, listed: list[str]) -> None:
+        now, listed_set = time.monotonic(), set(listed)
+        for address in [a for a in self._status if a not in listed_set]:
+            since = self._missing_since.setdefault(address, now)
+            if now - since >= FORGET_AFTER_S and self.backend.forget(address):
+                for known in (self._status, self._missing_since, self._failed_at, self._misses):
+                    known.pop(address, None)
+                logger.info("instance %s: gone from the registry for %.0f s, forgotten",
+                            address, now - since)
+        for address in [a for a in self._missing_since if a in listed_set]:
+            del self._missing_since[address]
+
     async def _poll_forever(self) -> None:
         while True:
             try:
-                for address in await self.instances():
+                addresses = await self.instances()
+                for address in addresses:
                     self._check(address)
+                self._forget_departed(addresses)
             except Exception:  # the registry may be down: keep polling what we can
                 logger.exception("health poll failed")
             await asyncio.sleep(self.interval)

@@ -1,11 +1,17 @@
 """Placement: which prefill and decode instance serve a request (cache-aware, then least loaded).
 
 Candidates come from the live registry (`shared.prefix_index.PrefixIndex`, or any object
-with the same two methods) and, when it has none or is down, from the static
-`--prefill-url` / `--decode-url` lists. Per docs/services-contracts.md:
+with the same two methods), read again every LIVE_CACHE_SECONDS: instances that register
+are placed on from then on, expired ones no more. While the registry is unreachable (its
+`is_up` is False) the last list it gave stays in use (the health checks still weed it);
+when it has none, the static `--prefill-url` / `--decode-url` lists. Per docs/services-contracts.md:
 
 1. score each candidate by the number of leading prompt blocks it holds cached (one
-   pipelined Redis lookup over the prompt's block hashes), highest first;
+   pipelined Redis lookup over the prompt's block hashes), highest first; a hit counts only
+   when it covers MIN_CACHED_FRACTION of the prompt (as SGLang's router's cache_threshold):
+   a short prefix every prompt shares (a chat template's system prompt) must not pull all
+   traffic onto the instance that happened to cache it first, or an instance that joins
+   would never be placed on;
 2. break ties by load: the instance's `num_running + num_waiting` plus the requests this
    gateway has in flight there;
 3. if the prompt's part not cached on the chosen decode instance is shorter than
@@ -22,6 +28,7 @@ a hard exclusion for prefill (the decode instance can always prefill itself).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -34,6 +41,8 @@ logger = logging.getLogger(__name__)
 LIVE_CACHE_SECONDS = 1.0
 HEALTH_RECHECK_BOUND = 1.0
 """Seconds placement waits for live health checks when no decode instance is usable."""
+MIN_CACHED_FRACTION = 0.5
+"""A cached prefix shorter than this fraction of the prompt counts as no hit (load decides)."""
 
 
 class InstanceRegistry(Protocol):
@@ -112,6 +121,8 @@ class Placer:
                 logger.warning("registry unavailable (%s); using static instance lists", e)
                 self._registry_warned = True
             live = []
+        if not live and getattr(self.registry, "is_up", True) is False and cached is not None:
+            live = cached[1]  # Redis is down (it answered nothing): keep the last view
         self._live_cache[role] = (now + LIVE_CACHE_SECONDS, live)
         return live
 
@@ -148,9 +159,11 @@ class Placer:
         return preferred or usable
 
     @staticmethod
-    def _best(candidates: list[Candidate]) -> Candidate | None:
-        # Most cached blocks first, then least load; stable on the list order otherwise.
-        return min(candidates, key=lambda c: (-c.num_cached_blocks, c.load), default=None)
+    def _best(candidates: list[Candidate], min_cached_blocks: int) -> Candidate | None:
+        # Most cached blocks (at least min_cached_blocks) first, then least load; stable on
+        # the list order otherwise.
+        return min(candidates, default=None, key=lambda c: (
+            -c.num_cached_blocks if c.num_cached_blocks >= min_cached_blocks else 0, c.load))
 
     async def _cached_blocks(self, prompt_token_ids: Sequence[int], model_name: str,
                              cache_salt: str | None, block_size: int,
@@ -174,7 +187,9 @@ class Placer:
         cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size,
                                            quantization)
         candidates = await self._decode_candidates(cached, avoid)
-        decode = self._best(candidates)
+        min_cached_blocks = max(1, math.ceil(
+            MIN_CACHED_FRACTION * len(prompt_token_ids) / block_size))
+        decode = self._best(candidates, min_cached_blocks)
         logger.debug("placement: cached blocks %s, decode candidates %s -> %s", cached,
                      candidates, decode)
         if decode is None:
@@ -183,7 +198,7 @@ class Placer:
             return Placement(None, decode.address)
         uncached = len(prompt_token_ids) - decode.num_cached_blocks * block_size
         prefill = self._best([c for c in self._usable(await self._candidates("prefill", cached))
-                              if c.address not in avoid])
+                              if c.address not in avoid], min_cached_blocks)
         if prefill is None or uncached < self.local_prefill_threshold:
             return Placement(None, decode.address)
         return Placement(prefill.address, decode.address)
