@@ -8,7 +8,9 @@
     without any key configured  everything is open (a loopback dev gateway, as before)
     tenant keys but no admin key: operator routes answer 403 to every tenant, 401 otherwise
 
-The admin key is not a tenant: on /v1 and the other tenant routes it gets 403 (it has no
+A browser cannot add a Bearer header to a page it navigates to, so an operator route asked
+for HTML gets a Basic challenge (BROWSER_CHALLENGE) and takes the admin key as the Basic
+password. The admin key is not a tenant: on /v1 and the other tenant routes it gets 403 (it has no
 prefix-cache tenant of its own); on the public routes (/health, /metrics ...) it is ignored.
 
 GatewayMiddleware calls `AdminGuard.check` for every request; a handler of an operator
@@ -18,6 +20,8 @@ the admin key, or no key at all is configured).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import Sequence
 
@@ -37,9 +41,23 @@ def is_admin_path(path: str) -> bool:
 
 
 def presented_key(headers: Headers) -> str | None:
-    """The key of `Authorization: Bearer <key>`, or None (no header, another scheme)."""
+    """The key of `Authorization: Bearer <key>`, or the password of `Authorization: Basic
+    base64(<any user>:<key>)` (how a browser sends it after the Basic challenge of
+    `unauthorized`); None otherwise."""
     scheme, _, token = headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    if not token:
+        return None
+    if scheme.lower() == "bearer":
+        return token
+    if scheme.lower() == "basic":
+        try:
+            decoded = base64.b64decode(token, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            return None
+        _, colon, password = decoded.partition(":")
+        return password if colon and password else None
+    return None
 
 
 def _matches(presented: str | None, keys: Sequence[bytes]) -> bool:
@@ -51,10 +69,19 @@ def _matches(presented: str | None, keys: Sequence[bytes]) -> bool:
     return hit
 
 
-def unauthorized() -> GatewayError:
-    """401: no key, or a key that is nobody's (with `WWW-Authenticate: Bearer`)."""
+BROWSER_CHALLENGE = 'Basic realm="pdserve operator", charset="UTF-8"'
+"""The 401 challenge of an operator route to a browser: it cannot add a Bearer header to a
+page it navigates to, so it asks for the admin key as the password (any user name)."""
+
+
+def unauthorized(headers: Headers | None = None) -> GatewayError:
+    """401: no key, or a key that is nobody's, with `WWW-Authenticate: Bearer`; on an
+    operator route (`headers` given) asked for by a browser (Accept: text/html), with
+    BROWSER_CHALLENGE instead."""
     err = GatewayError("Invalid or missing API key.", 401)
-    err.headers = {"WWW-Authenticate": "Bearer"}  # type: ignore[attr-defined]
+    browser = headers is not None and "text/html" in headers.get("accept", "")
+    err.headers = {  # type: ignore[attr-defined]
+        "WWW-Authenticate": BROWSER_CHALLENGE if browser else "Bearer"}
     return err
 
 
@@ -90,7 +117,7 @@ class AdminGuard:
         if is_tenant:
             return forbidden("This route is for the operator: it needs the admin API key "
                              "(--admin-api-key), not a tenant's key.")
-        return unauthorized()
+        return unauthorized(headers)
 
     def check_tenant_route(self, headers: Headers) -> GatewayError | None:
         """The admin key on a tenant route (/v1 ...) when tenant keys exist: 403."""
@@ -111,4 +138,4 @@ def require_admin(request: Request) -> None:
     if not state.get("is_admin", False):
         raise forbidden("This route is for the operator: it needs the admin API key "
                         "(--admin-api-key).") if state.get("tenant_cache_salt") \
-            else unauthorized()
+            else unauthorized(request.headers)
