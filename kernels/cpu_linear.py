@@ -95,7 +95,9 @@ def _padding_buffer(x: torch.Tensor) -> torch.Tensor:
     cache = getattr(_buffers, "cache", None)
     if cache is None:
         cache = _buffers.cache = {}
-    key = (x.shape[1], x.dtype, x.device)
+    # NOTE: a buffer made under torch.inference_mode is an inference tensor, which may not
+    # be written outside it (an offline LLM and a test in one thread): one buffer per mode.
+    key = (x.shape[1], x.dtype, x.device, torch.is_inference_mode_enabled())
     buf = cache.get(key)
     if buf is None:
         buf = cache[key] = x.new_zeros((MIN_ROWS, x.shape[1]))

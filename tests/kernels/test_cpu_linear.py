@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,3 +88,17 @@ def test_fewer_rows_than_min_rows_give_the_rows_of_a_min_rows_batch():
     cpu_linear.linear(torch.stack([poison] * (cpu_linear.MIN_ROWS - 1)), packed)
     for m in (1, 2):
         assert torch.equal(cpu_linear.linear(x[:m], packed), full[:m])
+    # A buffer first made under inference_mode (as an engine step makes it) is not the one
+    # written outside it (an inference tensor cannot be updated in place there). A new
+    # thread starts with no buffers.
+    outs: list = []
+
+    def inference_first() -> None:
+        with torch.inference_mode():
+            outs.append(cpu_linear.linear(x[:1], packed))
+        outs.append(cpu_linear.linear(x[:1], packed))
+
+    thread = threading.Thread(target=inference_first)
+    thread.start()
+    thread.join()
+    assert len(outs) == 2 and all(torch.equal(o, full[:1]) for o in outs)
