@@ -130,10 +130,15 @@ class ChatMessage(OpenAIBaseModel):
 def check_content_parts(messages: list[ChatMessage]) -> None:
     """Refuse content parts other than text (400): this is a text-only model.
 
+    A tool message must name the call it answers (tool_call_id), as OpenAI requires.
+
     Raises:
         GatewayError: 400, e.g. "image input is not supported by this model".
     """
     for i, message in enumerate(messages):
+        if message.role == "tool" and not message.tool_call_id:
+            raise bad_request(f"Missing required parameter: 'messages.{i}.tool_call_id'",
+                              "messages")
         if message.content is None and message.role != "assistant":
             raise bad_request(f"Invalid value for 'messages.{i}.content': Field required",
                               "messages")
