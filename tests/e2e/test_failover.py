@@ -10,8 +10,9 @@ The tests run in file order on one cluster:
    while 8 greedy streams run: its streams fail over with the undisturbed answers; after 3
    failing steps it is NOT_SERVING and gets no new request; cleared, it serves again;
 then each kills a process:
-1. kill -9 of a decode process while 8 greedy streams run: every client gets the answer of an
-   undisturbed run (same 8 requests first), with no error event;
+1. kill -9 of a decode process while 8 greedy, 8 seeded and 4 JSON-schema-guided streams run:
+   every client gets the answer of an undisturbed run (same requests first), with no error
+   event, and the guided answers still validate;
 2. kill -9 of the prefill process: requests still succeed (the decode instance prefills);
 3. kill -9 of the last decode process: the in-flight stream ends with an OpenAI error event
    and [DONE]; a new request gets 503.
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -112,6 +114,24 @@ async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
 def _body(messages: list[dict]) -> dict:
     return {"model": SERVED_MODEL, "messages": messages, "max_tokens": MAX_TOKENS,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+GUIDED_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["people"],
+    "properties": {"people": {
+        "type": "array", "minItems": 4, "maxItems": 4,
+        "items": {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+                  "properties": {"name": {"type": "string", "minLength": 5, "maxLength": 12},
+                                 "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}}}
+"""Issue 12: a guided stream long enough (~50 tokens) to be mid-JSON at the kill."""
+NUM_GUIDED = 4
+
+
+def _guided_body(messages: list[dict]) -> dict:
+    """Greedy under a JSON schema (vLLM's structured_outputs, no free whitespace so that the
+    answer fits max_tokens), as issue 12's failover point asks."""
+    return {**_body(messages), "max_tokens": 160, "structured_outputs": {
+        "json": GUIDED_SCHEMA, "disable_any_whitespace": True}}
 
 
 def _seeded_body(messages: list[dict], seed: int) -> dict:
@@ -308,10 +328,13 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
     # Seeded streams too (8 seeds x 64 tokens, temperature 1, top_p 0.9): their undisturbed
     # answers first; counter-based sampling gives the same tokens after the failover.
     bodies = [_seeded_body(m, seed) for m, seed in zip(PARITY_MESSAGES, SEEDS, strict=True)]
+    bodies += [_guided_body(m) for m in PARITY_MESSAGES[:NUM_GUIDED]]
     seeded_reference = [StreamResult() for _ in bodies]
     await asyncio.wait_for(asyncio.gather(*(
         _stream(gateway, [], r, b) for r, b in zip(seeded_reference, bodies))), 300)
-    assert all(r.completion_tokens == SEEDED_TOKENS for r in seeded_reference)
+    assert all(r.completion_tokens == SEEDED_TOKENS for r in seeded_reference[:len(SEEDS)])
+    for r in seeded_reference[len(SEEDS):]:
+        jsonschema.validate(json.loads(r.text), GUIDED_SCHEMA)
 
     victim = cluster.decodes[0]
     results = [StreamResult() for _ in PARITY_MESSAGES]
@@ -330,6 +353,9 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
 
     _assert_same(results, reference)
     _assert_same(seeded, seeded_reference)
+    for r in seeded[len(SEEDS):]:  # guided: still valid JSON, and mid-JSON at the kill
+        jsonschema.validate(json.loads(r.text), GUIDED_SCHEMA)
+        assert r.times[-1] > killed_at
     stats = _stats(gateway)
     assert 1 <= stats.decode_failovers - before <= on_victim
     assert stats.exhausted == 0
@@ -337,7 +363,8 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
     gaps = [max(b - a for a, b in zip(r.times, r.times[1:]) if b > killed_at)
             for r in results + seeded if r.times[-1] > killed_at]
     NUMBERS["decode_kill"] = {
-        "streams": len(results) + len(seeded), "seeded_streams": len(seeded), "kills": 1,
+        "streams": len(results) + len(seeded), "seeded_streams": len(SEEDS),
+        "guided_streams": NUM_GUIDED, "kills": 1,
         "streams_on_killed_instance": on_victim,
         "decode_failovers": stats.decode_failovers - before, "client_errors": 0,
         "answers_identical": len(results) + len(seeded),

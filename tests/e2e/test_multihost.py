@@ -409,7 +409,16 @@ async def test_a_repeated_long_prefix_is_served_from_the_hosts_holding_it(c):
             "model": MODEL, "prompt": prefix + suffix, "max_tokens": 2, "temperature": 0,
             "ignore_eos": True})
         assert r.status_code == 200, r.text
-    after = await _scrape(c, c.engines)
+    # NOTE: the prefix-cache counters come from the engines' stats, which the services
+    # publish on their heartbeat (not per request): poll until they have caught up.
+    deadline = time.monotonic() + 15
+    while True:
+        after = await _scrape(c, c.engines)
+        caught_up = after[holder_p].get("pdserve_prefix_cache_hits_total", 0) \
+            - first[holder_p].get("pdserve_prefix_cache_hits_total", 0) >= 2 * 480
+        if caught_up or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
 
     def delta(name: str, i: int) -> int:
         return int(after[i].get(name, 0) - first[i].get(name, 0))
