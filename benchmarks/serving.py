@@ -42,6 +42,12 @@ async def one_request(client: httpx.AsyncClient, model: str, req: BenchRequest,
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    return await stream_completion(client, body, headers)
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict, headers: dict) -> dict:
+    """POST a streamed /v1/completions `body`; its TTFT, ITLs, e2e and token counts (seconds),
+    or {"error": ...} for a non-200 answer."""
     t0 = time.perf_counter()
     ttft, last, itl, usage = None, None, [], None
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:

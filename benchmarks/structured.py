@@ -31,7 +31,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving import percentiles  # noqa: E402
+from benchmarks.serving import percentiles, stream_completion  # noqa: E402
 from benchmarks.workloads import BenchRequest, build_workload  # noqa: E402
 
 RECORDS = {"type": "object", "properties": {"records": {
@@ -55,25 +55,8 @@ async def one_request(client: httpx.AsyncClient, model: str, req: BenchRequest,
     if guided:
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "records", "schema": RECORDS}}
-    t0 = time.perf_counter()
-    ttft, last, itl, usage = None, None, [], None
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    itl.append(now - last)
-                last = now
-    return {"ttft": ttft, "itl": itl, "guided": guided,
-            "output_tokens": (usage or {}).get("completion_tokens", len(itl) + 1)}
+    result = await stream_completion(client, body, {})
+    return {**result, "guided": guided} if "error" not in result else result
 
 
 async def run_load(client: httpx.AsyncClient, model: str, reqs: list[BenchRequest],

@@ -331,12 +331,12 @@ class StateFeed:
         self.seq = frame.seq
         self._last = frame
         for w in self._watchers:
-            if w.resync:
-                pass
-            elif frame.snapshot or len(w.frames) >= MAX_BACKLOG:
-                w.resync = True  # a new map (or a watcher too far behind): send it whole
-            else:
-                w.frames.append(frame)
+            # A watcher already due a resync gets the whole map next, not this frame.
+            if not w.resync:
+                if frame.snapshot or len(w.frames) >= MAX_BACKLOG:
+                    w.resync = True  # a new map (or a watcher too far behind): send it whole
+                else:
+                    w.frames.append(frame)
             w.event.set()
 
     def _snapshot(self) -> StateFrame:
