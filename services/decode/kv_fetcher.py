@@ -4,10 +4,14 @@
         (dtype, shape, length, indices checked) ──▶ write_kv_blocks(our block ids)
     then ReleaseKV(request_id), in the background, with a deadline.
 
-One gRPC channel per prefill address, created on first use, with the explicit message limits
-and keepalive pings (a frozen or partitioned prefill fails the transfer within seconds, not at
-`kv_transfer_timeout`); every call carries the internal token (if configured) and
-`x-request-id`.
+One gRPC channel per prefill address, created on first use, with the explicit message limits,
+a short reconnect backoff and keepalive pings (a frozen or partitioned prefill fails the
+transfer within seconds, not at `kv_transfer_timeout`); every call carries the internal token
+(if configured) and `x-request-id`.
+
+A FetchKV that fails UNAVAILABLE before its first chunk (typically a channel still in
+reconnect backoff after the prefill or this host came back) waits up to RECONNECT_WAIT_S for
+the channel to connect and is asked once more.
 
 Every FetchKV failure but NOT_FOUND (pin expired or released) and DATA_LOSS (a bad or missing
 chunk) becomes ABORTED naming the prefill and its status: Generate's caller must not take the
@@ -29,7 +33,11 @@ from services.common.auth import auth_metadata
 from services.common.config import ServiceConfig
 from services.common.errors import ServiceError
 from services.common.metrics import ServiceMetrics
-from shared.config import grpc_keepalive_channel_options
+from shared.config import (
+    GRPC_RECONNECT_BACKOFF_MS,
+    grpc_keepalive_channel_options,
+    grpc_reconnect_options,
+)
 from shared.kv_transfer.codec import (
     KVCaches,
     KVChunkData,
@@ -46,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 _PASSED_THROUGH = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS})
 """FetchKV statuses Generate answers as they are; every other one becomes ABORTED."""
+RECONNECT_WAIT_S = GRPC_RECONNECT_BACKOFF_MS[1] / 1000 + 1.0
+"""Seconds a FetchKV that failed UNAVAILABLE before its first chunk waits for the channel
+to connect before its one retry: past the largest reconnect backoff, so a prefill that is
+reachable again is found, and a gone one costs only this long."""
 
 
 class KVFetcher:
@@ -66,8 +78,9 @@ class KVFetcher:
     def _stub(self, address: str) -> engine_pb2_grpc.PrefillServiceStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(
-                address, options=self.config.grpc_options() + grpc_keepalive_channel_options())
+            channel = grpc.aio.insecure_channel(address, options=[
+                *self.config.grpc_options(), *grpc_keepalive_channel_options(),
+                *grpc_reconnect_options()])
             entry = self._stubs[address] = (channel, engine_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 
@@ -87,6 +100,36 @@ class KVFetcher:
         dst = dict(zip(block_indices, dst_block_ids))
         start = time.monotonic()
         self.in_flight[request_id] = (address, len(block_indices), start)
+        try:
+            for attempt in range(2):
+                try:
+                    await self._fetch_once(address, request_id, block_indices, tracker, dst)
+                    break
+                except grpc.aio.AioRpcError as e:
+                    # NOTE: a channel still in reconnect backoff (the prefill, or this host,
+                    # back from a restart or a network cut) fails a call at once: wait for it
+                    # to connect, then ask once more, unless a chunk already arrived.
+                    if attempt == 0 and e.code() is grpc.StatusCode.UNAVAILABLE and \
+                            not tracker.num_bytes and await self._reconnected(address):
+                        continue
+                    code = e.code() if e.code() in _PASSED_THROUGH else grpc.StatusCode.ABORTED
+                    raise ServiceError(code, f"FetchKV from prefill {address} failed: "
+                                       f"{e.code().name}: {e.details()}") from None
+        except KVCodecError as e:
+            raise ServiceError(grpc.StatusCode.DATA_LOSS,
+                               f"bad KV chunk from prefill {address}: {e}") from None
+        finally:
+            self.in_flight.pop(request_id, None)
+        if not tracker.complete:
+            raise ServiceError(grpc.StatusCode.DATA_LOSS,
+                               f"truncated KV transfer from prefill {address}: "
+                               f"{tracker.num_missing_blocks} of {len(block_indices)} blocks "
+                               "never arrived")
+        self.metrics.kv_received(len(block_indices), tracker.num_bytes)
+        self.metrics.kv_transfer(time.monotonic() - start)
+
+    async def _fetch_once(self, address: str, request_id: str, block_indices: Sequence[int],
+                          tracker: TransferTracker, dst: dict[int, int]) -> None:
         call = self._stub(address).FetchKV(
             pb.FetchKVRequest(request_id=request_id, block_indices=block_indices),
             timeout=self.config.kv_transfer_timeout, metadata=self._metadata(request_id))
@@ -98,24 +141,19 @@ class KVFetcher:
                                                   chunk.dtype, tuple(chunk.shape), chunk.data))
                 write_kv_blocks(self.kv_caches, [dst[i] for i in chunk.block_indices],
                                 chunk.layer_start, data)
-        except grpc.aio.AioRpcError as e:
-            code = e.code() if e.code() in _PASSED_THROUGH else grpc.StatusCode.ABORTED
-            raise ServiceError(code, f"FetchKV from prefill {address} failed: "
-                               f"{e.code().name}: {e.details()}") from None
-        except KVCodecError as e:
-            raise ServiceError(grpc.StatusCode.DATA_LOSS,
-                               f"bad KV chunk from prefill {address}: {e}") from None
         finally:
-            self.in_flight.pop(request_id, None)
             if not call.done():
                 call.cancel()
-        if not tracker.complete:
-            raise ServiceError(grpc.StatusCode.DATA_LOSS,
-                               f"truncated KV transfer from prefill {address}: "
-                               f"{tracker.num_missing_blocks} of {len(block_indices)} blocks "
-                               "never arrived")
-        self.metrics.kv_received(len(block_indices), tracker.num_bytes)
-        self.metrics.kv_transfer(time.monotonic() - start)
+
+    async def _reconnected(self, address: str) -> bool:
+        """Whether the channel to `address` connects within RECONNECT_WAIT_S."""
+        channel, _ = self._stubs[address]
+        try:
+            await asyncio.wait_for(channel.channel_ready(), RECONNECT_WAIT_S)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            return False
+        logger.info("channel to prefill %s reconnected; fetching again", address)
+        return True
 
     async def release(self, request_id: str, handle: KVHandle) -> None:
         """ReleaseKV on the prefill instance; failures are logged (its TTL unpins anyway)."""

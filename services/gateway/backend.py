@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared import config as shared_config
 from shared.config import MAX_GRPC_MESSAGE_BYTES as _MAX_MESSAGE_BYTES
-from shared.config import grpc_keepalive_channel_options
+from shared.config import grpc_keepalive_channel_options, grpc_reconnect_options
 from shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ class EngineBackend:
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
                 # A restarted instance is found within seconds, not grpc's default 120 s.
-                ("grpc.initial_reconnect_backoff_ms", 250),
-                ("grpc.max_reconnect_backoff_ms", 2000),
+                *grpc_reconnect_options(),
                 *grpc_keepalive_channel_options(self.keepalive_s),
             ])
             ch = self._channels[address] = _Channel(

@@ -496,8 +496,16 @@ async def test_a_cut_decode_host_fails_over_and_leaves_redis_within_one_ttl(c, r
         lambda: victim.address in c.registered(), "the restored host to register", 30), 2)
 
 
+def _retries(c: Cluster) -> list[str]:
+    """The gateways' log lines of failed attempts placed again, in log order per gateway."""
+    return [line for g in c.gateways
+            for line in g.process.log_path.read_text(errors="replace").splitlines()
+            if " failed (" in line and "; retry " in line]
+
+
 async def test_a_decode_host_drained_on_sigterm_finishes_its_streams(c, reference):
     failovers = await _decode_failovers(c)
+    retries_before = set(_retries(c))
     streams, tasks = await _start_streams(c, DRAIN_STREAMS, min_chunks=2)
     victim, running = await _busiest_decode(c)
     assert running >= 1
@@ -508,9 +516,14 @@ async def test_a_decode_host_drained_on_sigterm_finishes_its_streams(c, referenc
     for s, ref in zip(streams, reference["drain"], strict=True):
         assert s.done and not s.errors, s
         assert s.result() == ref
-    assert await _decode_failovers(c) == failovers  # finished where they ran
+    # finished where they ran: no attempt on the draining host failed (a retry elsewhere,
+    # e.g. a host's channel reconnecting under load, is not this test's concern: counted)
+    retries = [line for line in _retries(c) if line not in retries_before]
+    assert not [line for line in retries if f"failed (decode {victim.address}:" in line], retries
     code = await asyncio.to_thread(victim.process.wait, GRACE_S + 15)
-    NUMBERS["drain"] = {"running_on_victim": running, "left_redis_s": round(gone_s, 2)}
+    NUMBERS["drain"] = {"running_on_victim": running, "left_redis_s": round(gone_s, 2),
+                        "decode_failovers": await _decode_failovers(c) - failovers,
+                        "retries": retries}
     assert code == 0, victim.process.log_tail()
 
 

@@ -112,3 +112,71 @@ async def test_prefill_stopping_mid_transfer_is_aborted(cluster):
     assert any(name in details for name in ("UNAVAILABLE", "CANCELLED", "INTERNAL")), details
     await _assert_decode_clean(cluster, resp)
     await _release(cluster, rid)
+
+
+class Forwarder:
+    """A TCP port that forwards to `target` while open; nothing listens while closed."""
+
+    def __init__(self, target: str) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.target_port = int(port)
+        self.port = free_port()
+        self.server: asyncio.Server | None = None
+        self.pipes: set[asyncio.Task] = set()
+
+    async def open(self) -> None:
+        async def pipe(reader, writer) -> None:
+            try:
+                while data := await reader.read(1 << 16):
+                    writer.write(data)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.close()
+
+        async def handle(reader, writer) -> None:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.target_port)
+            for task in (pipe(reader, up_writer), pipe(up_reader, writer)):
+                self.pipes.add(asyncio.ensure_future(task))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", self.port)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for task in self.pipes:
+                task.cancel()
+            await asyncio.gather(*self.pipes, return_exceptions=True)
+            await self.server.wait_closed()
+
+
+async def test_a_prefill_reachable_again_is_fetched_from_at_once(cluster):
+    """A failed connect leaves the decode's channel in reconnect backoff; a fetch right after
+    the prefill is reachable again waits for the channel instead of failing (the first
+    requests of a host back from a network cut used to fail over)."""
+    forwarder = Forwarder(cluster.prefill.identity.address)
+    address = f"127.0.0.1:{forwarder.port}"
+    try:
+        rid = "fetch-down"
+        prompt, resp = await _prefilled(cluster, rid, 3)
+        code, details = await _generate_status(cluster, rid, prompt, resp, address)
+        assert code == Code.ABORTED and "UNAVAILABLE" in details, (code, details)
+        await _release(cluster, rid)
+        await forwarder.open()
+        rid = "fetch-back"
+        prompt, resp = await _prefilled(cluster, rid, 4)
+        handle = pb.KVTransferParams()
+        handle.CopyFrom(resp.kv_transfer_params)
+        handle.prefill_address = address
+        req = pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                               output_token_ids=[resp.first_token_id],
+                               sampling_params=greedy(8), kv_transfer_params=handle)
+        chunks = [c async for c in cluster.decode_stub.Generate(req, timeout=RPC_TIMEOUT)]
+        assert sum(len(c.token_ids) for c in chunks) == 7  # max_tokens 8, one from the prefill
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    finally:
+        await forwarder.close()
+    _, state = await wait_leak_free(cluster, decode_only=True)
+    assert (state.num_used_blocks, state.num_running, state.num_waiting) == (0, 0, 0), state
+    assert state.invariants_ok, state.invariants_error

@@ -25,8 +25,6 @@ from shared.proto import engine_pb2 as pb
 from shared.sampling_params import SamplingParams
 from tests.services.helpers import RPC_TIMEOUT, run_split, wait_leak_free
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
 NUM_TOKENS = 64
 SEEDS = list(range(1000, 1008))
 NUM_BATCH = 32
@@ -117,6 +115,7 @@ def test_forced_preemption_gives_the_same_tokens(model_path, prompts, alone):
     assert tokens == alone
 
 
+@pytest.mark.asyncio(loop_scope="session")
 async def test_split_and_failover_give_the_same_tokens(cluster, prompts, alone):
     """Prefill samples position 0, decode 1..63; and a decode that continues from the first
     k tokens (the gateway's failover) samples k..63."""
