@@ -10,6 +10,8 @@ from shared.llm import LLM
 from shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 
+pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_PARITY_TOKENS)
 
 
