@@ -26,6 +26,7 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.app import build_app
+    from services.gateway.backpressure import set_send_buffer
 
     logging.basicConfig(level=str(ns.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -42,12 +43,14 @@ def run(ns: argparse.Namespace) -> int:
     # finish for up to the grace period (the launcher gives it its --shutdown-timeout - 5 s);
     # then the app itself ends those still running (services/gateway/shutdown.py), so
     # uvicorn's own timeout, a little later, finds nothing left to cancel.
-    server = _make_server(uvicorn.Config(
+    uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, loop=loop,
         log_level=str(config.log_level).lower(),
-        timeout_graceful_shutdown=config.grace_period + _CANCEL_MARGIN,
-        access_log=False), app.state.gateway.shutdown, config.grace_period)
-    server.run()
+        timeout_graceful_shutdown=config.grace_period + _CANCEL_MARGIN, access_log=False)
+    server = _make_server(uv_config, app.state.gateway.shutdown, config.grace_period)
+    sock = uv_config.bind_socket()
+    set_send_buffer(sock, config.socket_send_buffer)  # backpressure for slow readers
+    server.run(sockets=[sock])
     return 0
 
 

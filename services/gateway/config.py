@@ -19,7 +19,8 @@ _POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_bod
              "max_n", "block_size")
 _NON_NEGATIVE = ("max_request_retries", "max_num_queued_requests", "max_queued_tokens",
                  "max_logprobs", "max_stop_strings", "max_stop_string_length",
-                 "local_prefill_threshold", "grace_period")
+                 "local_prefill_threshold", "grace_period", "max_stream_backlog",
+                 "socket_send_buffer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,13 @@ class GatewayConfig:
     """Longest stop string, characters."""
     grace_period: float = 25.0
     """Seconds in-flight requests get to finish on SIGTERM / Ctrl-C before they are cut."""
+    max_stream_backlog: int = 64 << 10
+    """Bytes of SSE output a stream may have waiting for a slow client before it is cut with
+    an error event and its engine requests aborted (services/gateway/backpressure.py; 0: no
+    limit)."""
+    socket_send_buffer: int = 64 << 10
+    """SO_SNDBUF of the client connections, bytes (Linux doubles it; 0: the kernel's
+    autotuning, up to 4 MiB a connection that does not read)."""
     internal_token: str | None = None
     """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
     # ---- vLLM OpenAI-server compatibility (README "Gateway flags")
@@ -196,6 +204,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    default=int(_env("max_stop_string_length", 512)))
     g.add_argument("--grace-period", type=float, default=float(_env("grace_period", 25.0)),
                    help="seconds in-flight requests get to finish on shutdown")
+    g.add_argument("--max-stream-backlog", type=int,
+                   default=int(_env("max_stream_backlog", 64 << 10)),
+                   help="bytes of output a stream may have waiting for a slow client before "
+                        "it is cut with an error and its request aborted (0: no limit)")
+    g.add_argument("--socket-send-buffer", type=int,
+                   default=int(_env("socket_send_buffer", 64 << 10)),
+                   help="SO_SNDBUF of client connections, bytes (0: the kernel's autotuning)")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret the prefill and decode services require")
     g.add_argument("--admin-api-key", action="append", default=None,
@@ -317,6 +332,7 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         max_queued_tokens=ns.max_queued_tokens, max_logprobs=ns.max_logprobs,
         max_stop_strings=ns.max_stop_strings, max_stop_string_length=ns.max_stop_string_length,
         internal_token=ns.internal_token or None, grace_period=ns.grace_period,
+        max_stream_backlog=ns.max_stream_backlog, socket_send_buffer=ns.socket_send_buffer,
         tokenizer=_tokenizer_dir(ns.tokenizer),
         chat_template=read_chat_template(ns.chat_template),
         allowed_origins=tuple(ns.allowed_origins), allowed_methods=tuple(ns.allowed_methods),

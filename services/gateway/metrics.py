@@ -29,6 +29,10 @@ class GatewayMetrics:
             "pdserve_gateway_e2e_request_latency_seconds",
             "From request arrival to the last byte of the response (generation routes).",
             ["route"], buckets=_E2E_BUCKETS, registry=r)
+        self.streams_cut_slow_client = Counter(
+            "pdserve_gateway_streams_cut_slow_client",
+            "Streams cut because their client fell --max-stream-backlog bytes behind.",
+            registry=r)
         self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens",
                                      "Prompt tokens of served requests.", registry=r)
         self.generation_tokens = Counter("pdserve_gateway_generation_tokens",

@@ -120,7 +120,8 @@ class GatewayMiddleware:
         finally:
             elapsed = time.monotonic() - state["arrival_time"]
             # A stream ended by the shutdown's grace period: 200 was sent, the rest was not.
-            cut = " cut (server_shutdown)" if state.get("cut_by_shutdown") else ""
+            cut = " cut (server_shutdown)" if state.get("cut_by_shutdown") else \
+                " cut (slow client)" if state.get("cut_slow_client") else ""
             logger.info("[%s] %s %s %d %.3fs%s", request_id, scope["method"], path, status,
                         elapsed, cut)
             self.metrics.requests_running.dec()

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.admission import AdmissionQueue, Grant
+from services.gateway.backpressure import StreamBacklog
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, bad_request, model_not_found
 from services.gateway.metrics import GatewayMetrics
@@ -108,18 +109,24 @@ async def _tracked(grant: Grant, index: int,
 
 
 class _RunStreamingResponse(StreamingResponse):
-    """A StreamingResponse that closes its run however the response ends (also when the
-    client is gone before the body iterator ever started)."""
+    """A StreamingResponse that writes its run's events through a bounded backlog
+    (backpressure.py) and closes the run however the response ends (also when the client is
+    gone before the body iterator ever started)."""
 
-    def __init__(self, content, run: ChoiceRun, **kwargs) -> None:
-        super().__init__(content, **kwargs)
+    def __init__(self, backlog: StreamBacklog, run: ChoiceRun, **kwargs) -> None:
+        super().__init__(backlog.chunks(), **kwargs)
+        self.backlog = backlog
         self.run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.backlog.start()
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.run.close()
+            try:
+                await self.backlog.close()
+            finally:
+                await self.run.close()
 
 
 def _max_token_chars(tokenizer) -> int | None:
@@ -295,7 +302,12 @@ class OpenAIServing:
                 self._count_tokens(run, request)
             yield sse_event("[DONE]")
 
-        return _RunStreamingResponse(events(), run, media_type="text/event-stream",
+        def on_cut() -> None:
+            request.state.cut_slow_client = True
+            self.metrics.streams_cut_slow_client.inc()
+
+        backlog = StreamBacklog(events(), self.config.max_stream_backlog, on_cut)
+        return _RunStreamingResponse(backlog, run, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
     async def _until_cut(self, request: Request, awaitable):

@@ -85,6 +85,8 @@ _GATEWAY_FLAGS = (
     ("max-num-queued-requests", int, "waiting engine requests before 429"),
     ("max-queued-tokens", int, "waiting prompt + max_tokens tokens before 429"),
     ("max-request-retries", int, "failovers one engine request may use"),
+    ("max-stream-backlog", int, "bytes a stream may have waiting for a slow client"),
+    ("socket-send-buffer", int, "SO_SNDBUF of the gateway's client connections, bytes"),
     ("local-prefill-threshold", int,
      "prompts with fewer uncached tokens are prefilled on the decode instance"),
 )

@@ -25,6 +25,7 @@ import pytest_asyncio
 import uvicorn
 
 from services.gateway.app import build_app
+from services.gateway.backpressure import set_send_buffer
 from services.gateway.config import GatewayConfig
 from services.gateway.tokenization import load_tokenizer
 from tests.services.gateway.fake_engine import (
@@ -78,6 +79,7 @@ async def running_gateway(model_path: str, cluster: FakeCluster,
     config = dataclasses.replace(config, **overrides)
     app = build_app(config)
     sock = socket.socket()
+    set_send_buffer(sock, config.socket_send_buffer)  # as services/gateway/__main__.py
     sock.bind(("127.0.0.1", 0))
     host, port = sock.getsockname()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
