@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from shared.engine.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class EngineArgs:
     max_decode_stall_ms: float = 0.0
     quantization: str = "none"
     seed: int | None = None
+    speculative_config: str | dict | None = None
+    """JSON (or a dict, offline) as vLLM's --speculative-config; used by the decode role."""
     # vLLM's flags that a `vllm serve` command line carries; accepted so that it runs here.
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -137,6 +140,11 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=env("seed", None),
                        help="seeds the sampler's generator of requests without a seed of "
                             "their own (default: random)")
+        g.add_argument("--speculative-config", default=env("speculative_config", None),
+                       help='speculative decoding on the decode role, JSON as vLLM: '
+                            '{"method": "ngram", "num_speculative_tokens": 3, '
+                            '"prompt_lookup_max": 5, "prompt_lookup_min": 2} '
+                            '(default: off; see docs/speculative-decoding.md)')
         g.add_argument("--cpu-cores", default=env("cpu_cores", d.cpu_cores),
                        help="cores to bind to, e.g. 0-1")
         g.add_argument("--num-threads", type=int, default=int(env("num_threads", 0)))
@@ -168,6 +176,10 @@ class EngineArgs:
             return "float32"
         torch_dtype = str(hf_config.get("torch_dtype", ""))
         return torch_dtype if torch_dtype in ("bfloat16", "float16") else "float16"
+
+    def create_speculative_config(self) -> SpeculativeConfig | None:
+        """The parsed --speculative-config; None when off. Raises ValueError naming the key."""
+        return SpeculativeConfig.from_value(self.speculative_config)
 
     def create_engine_configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig,
                                              ParallelConfig]:

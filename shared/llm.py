@@ -54,7 +54,7 @@ class LLM:
         args = EngineArgs(**({"model": model} if model else {}), **kwargs)
         configs = args.create_engine_configs()
         self.model_config = configs[0]
-        self.engine = EngineCore(*configs)
+        self.engine = EngineCore(*configs, speculative_config=args.create_speculative_config())
         self.tokenizer = get_tokenizer(self.model_config.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._counter = itertools.count()

@@ -89,6 +89,9 @@ class Request:
     structured_output: Any = None
     """A guided request's grammar matcher (shared/structured_output/request.py), set when
     the engine adds it; None for an unguided request."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed to follow the known tokens, scored by the next step
+    (speculative decoding, shared/engine/spec_decode/); empty without speculation."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,6 +21,9 @@ from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerCon
 from shared.engine.core_share import NO_PREFILL, CoreShare
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
+from shared.engine.spec_decode.config import SpeculativeConfig
+from shared.engine.spec_decode.ngram_proposer import NgramProposer
+from shared.engine.spec_decode.scheduling import propose_drafts
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.request import Request
 from shared.structured_output.backend import XgrammarBackend
@@ -69,7 +72,8 @@ class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
                  hold_finished_blocks: bool = False,
-                 enable_kv_cache_events: bool = False, load_threads: int | None = None) -> None:
+                 enable_kv_cache_events: bool = False, load_threads: int | None = None,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.num_threads = apply_cpu_placement(parallel_config, load_threads)
         """Threads of the stepping thread's pool (without a core share)."""
         self.core_share = open_core_share(parallel_config)
@@ -93,6 +97,11 @@ class EngineCore:
             enable_kv_cache_events=enable_kv_cache_events)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
                                    hold_finished_blocks=hold_finished_blocks)
+        self.speculative_config = speculative_config
+        """Speculative decoding (drafts proposed after each step); None: off."""
+        self.drafter = NgramProposer(speculative_config) if speculative_config else None
+        if speculative_config is not None:
+            logger.info("speculative decoding: %s", speculative_config)
         logger.info("engine ready: %d KV blocks of %d tokens, max_num_seqs=%d, "
                     "max_num_batched_tokens=%d", self.num_gpu_blocks, cache_config.block_size,
                     scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
@@ -180,6 +189,10 @@ class EngineCore:
         finally:
             self._last_step_end_ns = time.monotonic_ns()
         deltas = self.scheduler.update_from_output(scheduler_output, sampled)
+        if self.drafter is not None:
+            assert self.speculative_config is not None
+            propose_drafts(self.drafter, self.speculative_config, self.scheduler.running,
+                           self.scheduler.scheduler_config.max_model_len)
         deltas = _attach_prompt_logprobs(scheduler_output, deltas)
         finished = [d.request_id for d in deltas if d.finished]
         if finished:

@@ -20,6 +20,11 @@ from shared.engine.prompt_logprobs import (
     plan_prompt_logprobs,
 )
 from shared.engine.sampler import Sampler, SamplingMetadata
+from shared.engine.spec_decode.verification import (
+    DraftRows,
+    expand_draft_rows,
+    group_draft_samples,
+)
 from shared.models.llama import LlamaArgs
 from shared.models.loader import load_model
 from shared.request import TokenLogprobs
@@ -63,6 +68,9 @@ class PreparedInputs(NamedTuple):
     sampled_requests: list
     prompt_logprobs_jobs: list[PromptLogprobsJob]
     """Prompt positions whose logprobs this step computes (requests asking for them)."""
+    draft_rows: DraftRows | None = None
+    """With speculative drafts in the step: the logits rows (one per scored position,
+    `logits_indices` then holds one index per row); None otherwise."""
 
 
 class ModelRunner:
@@ -118,6 +126,9 @@ class ModelRunner:
             a, b = query_start_loc[i], query_start_loc[i + 1]
             if b - a == 1:
                 input_ids[a] = s.request.token_at(int(starts[i]))
+            elif s.spec_token_ids:  # the last known token, then the drafts
+                input_ids[a] = s.request.token_at(int(starts[i]))
+                input_ids[a + 1:b] = s.spec_token_ids
             else:
                 input_ids[a:b] = s.request.token_slice(int(starts[i]), int(seq_lens[i]))
         req_idx = np.repeat(np.arange(num_reqs), q_lens)
@@ -131,6 +142,9 @@ class ModelRunner:
             num_decodes += 1
         sampled = [i for i, s in enumerate(scheduled) if s.sample]
         logits_indices = query_start_loc[1:][sampled] - 1
+        draft_rows = None
+        if any(s.spec_token_ids for s in scheduled):
+            logits_indices, draft_rows = expand_draft_rows(scheduled, sampled, query_start_loc)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(dev),
@@ -148,6 +162,7 @@ class ModelRunner:
             logits_indices=torch.from_numpy(logits_indices).to(dev),
             sampled_requests=[scheduled[i].request for i in sampled],
             prompt_logprobs_jobs=plan_prompt_logprobs(scheduled, query_start_loc),
+            draft_rows=draft_rows,
         )
 
     @torch.inference_mode()
@@ -168,13 +183,19 @@ class ModelRunner:
         if not inputs.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        rows, draft_rows = inputs.sampled_requests, inputs.draft_rows
+        if draft_rows is not None:
+            rows = draft_rows.requests
         if self.structured_output is not None:
-            self.structured_output.apply_bitmask(logits, inputs.sampled_requests)
-        metadata = SamplingMetadata.from_requests(inputs.sampled_requests,
-                                                  self.args.vocab_size, self.device)
+            self.structured_output.apply_bitmask(logits, rows)
+        metadata = SamplingMetadata.from_requests(
+            rows, self.args.vocab_size, self.device,
+            draft_rows.output_offsets if draft_rows is not None else None)
         out = self.sampler(logits, metadata)
         if self.structured_output is not None:
-            self.structured_output.accept_tokens(inputs.sampled_requests, out.sampled_token_ids)
+            self.structured_output.accept_tokens(rows, out.sampled_token_ids)
+        if draft_rows is not None:
+            return group_draft_samples(draft_rows, out.sampled_token_ids, out.logprobs)
         return {req.request_id: (tok, lp) for req, tok, lp in
                 zip(inputs.sampled_requests, out.sampled_token_ids, out.logprobs)}
 

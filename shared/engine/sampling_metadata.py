@@ -98,7 +98,8 @@ class SamplingMetadata:
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int,
-                      device: torch.device | str) -> SamplingMetadata:
+                      device: torch.device | str,
+                      output_offsets: list[int] | None = None) -> SamplingMetadata:
         """Build the metadata for `requests`, one row each, in order.
 
         Args:
@@ -106,6 +107,9 @@ class SamplingMetadata:
             vocab_size: width of the logits; larger top-k values are clamped to it and
                 out-of-range stop ids are ignored.
             device: where the tensors go (that of the logits).
+            output_offsets: per row, how far past the request's num_output_tokens the row
+                samples (speculative decoding scores a request's drafts in several rows);
+                None: 0 for every row.
         """
         temperature: list[float] = []
         top_k: list[int] = []
@@ -125,6 +129,9 @@ class SamplingMetadata:
         bias_values: list[float] = []
         for row, request in enumerate(requests):
             sp = request.sampling_params
+            num_output = request.num_output_tokens
+            if output_offsets is not None:
+                num_output += output_offsets[row]
             k = sp.effective_top_k
             k = vocab_size if k == 0 else min(k, vocab_size)
             temperature.append(sp.temperature)
@@ -136,7 +143,7 @@ class SamplingMetadata:
             else:
                 if sp.seed is not None:
                     seeds[row] = sp.seed & _SEED_MASK
-                    output_positions[row] = request.num_output_tokens
+                    output_positions[row] = num_output
                 if k < vocab_size or sp.top_p < 1.0:
                     truncated_rows.append(row)
                     if k < vocab_size:
@@ -145,7 +152,7 @@ class SamplingMetadata:
                     plain_rows.append(row)
             if sp.has_penalties:
                 penalty_rows.append(row)
-            if request.num_output_tokens < sp.min_tokens:
+            if num_output < sp.min_tokens:
                 ids = set(sp.stop_token_ids)
                 if request.eos_token_id is not None and not sp.ignore_eos:
                     ids.add(request.eos_token_id)

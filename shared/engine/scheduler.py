@@ -29,6 +29,8 @@ from shared.engine.scheduler_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
+from shared.engine.spec_decode.verification import SpecDecodingStats
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.request import Request, RequestStatus
 
@@ -57,6 +59,8 @@ class Scheduler:
         self.num_preemptions = 0
         """Total preemptions since start-up."""
         self._finished_req_ids: list[str] = []
+        self.spec_decoding_stats = SpecDecodingStats()
+        """Speculative decoding counters (all 0 without speculation)."""
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -198,7 +202,11 @@ class Scheduler:
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
                                                   token_budget)
-            while (new_blocks := kv.allocate_slots(request, num_new_tokens)) is None:
+            num_spec = num_spec_tokens(request, num_new_tokens, token_budget)
+            while (new_blocks := kv.allocate_slots(request, num_new_tokens + num_spec)) is None:
+                if num_spec:  # drop the drafts before preempting anyone
+                    num_spec = 0
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
@@ -206,8 +214,8 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # `request` itself was the newest left, and is preempted.
-            scheduled.append(self._schedule_tokens(request, num_new_tokens))
-            token_budget -= num_new_tokens
+            scheduled.append(self._schedule_tokens(request, num_new_tokens, num_spec))
+            token_budget -= num_new_tokens + num_spec
             i += 1
 
         admitted: list[Request] = []
@@ -280,18 +288,25 @@ class Scheduler:
             entry = sampled.get(request.request_id)
             if entry is None:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
-            token_id, logprobs = entry
-            request.append_output_token(token_id, logprobs)
-            status, stop_reason = check_stop(request, max_model_len)
+            if scheduled.spec_token_ids:
+                new_token_ids, new_logprobs, status, stop_reason = append_draft_samples(
+                    request, scheduled.spec_token_ids, entry, self.kv_cache_manager,
+                    self.spec_decoding_stats, max_model_len, check_stop)
+            else:
+                token_id, logprobs = entry
+                request.append_output_token(token_id, logprobs)
+                status, stop_reason = check_stop(request, max_model_len)
+                new_token_ids = [token_id]
+                new_logprobs = [logprobs] if logprobs is not None else []
             if status is not None:
                 request.status = status
                 request.stop_reason = stop_reason
                 self._finish(request)
                 any_finished = True
             deltas.append(RequestOutputDelta(
-                request_id=request.request_id, new_token_ids=[token_id],
-                new_logprobs=[logprobs] if logprobs is not None else [],
-                finish_reason=request.finish_reason, stop_reason=request.stop_reason))
+                request_id=request.request_id, new_token_ids=new_token_ids,
+                new_logprobs=new_logprobs, finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas
@@ -329,13 +344,18 @@ class Scheduler:
             num_new_tokens = min(num_new_tokens, threshold)
         return min(num_new_tokens, token_budget)
 
-    def _schedule_tokens(self, request: Request, num_new_tokens: int) -> ScheduledRequest:
+    def _schedule_tokens(self, request: Request, num_new_tokens: int,
+                         num_spec: int = 0) -> ScheduledRequest:
         start_pos = request.num_computed_tokens
-        request.num_computed_tokens = start_pos + num_new_tokens
+        request.num_computed_tokens = start_pos + num_new_tokens + num_spec
+        spec = tuple(request.spec_token_ids[:num_spec]) if num_spec else ()
+        if request.spec_token_ids:
+            request.spec_token_ids = []  # consumed (or stale): the proposer sets new ones
         return ScheduledRequest(
-            request=request, start_pos=start_pos, num_scheduled_tokens=num_new_tokens,
+            request=request, start_pos=start_pos,
+            num_scheduled_tokens=num_new_tokens + num_spec,
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=request.num_computed_tokens == request.num_tokens)
+            sample=start_pos + num_new_tokens == request.num_tokens, spec_token_ids=spec)
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""

@@ -20,6 +20,9 @@ class ScheduledRequest(NamedTuple):
     start_pos + num_scheduled_tokens tokens (a copy, the runner may keep it)."""
     sample: bool
     """This chunk reaches the last known token, so a token is sampled from its last row."""
+    spec_token_ids: tuple[int, ...] = ()
+    """Draft tokens scored after the last known token (speculative decoding); they count
+    in num_scheduled_tokens, and sample=True: every one of their rows is sampled."""
 
 
 class SchedulerOutput(NamedTuple):

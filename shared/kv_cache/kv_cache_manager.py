@@ -195,6 +195,25 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
         self._num_cached_block[request.request_id] = num_full
 
+    def trim_blocks(self, request: Request, num_tokens: int) -> None:
+        """Free `request`'s blocks past the first cdiv(num_tokens, block_size), last block
+        first: the rollback of rejected speculative drafts' slots.
+
+        NOTE: never frees a cached block: blocks are cached only when full of known tokens
+        (drafts are not known tokens), and the kept count is at least the cached one.
+        """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_keep = max(-(-num_tokens // self.block_size),
+                       self._num_cached_block.get(request.request_id, 0))
+        if len(blocks) <= num_keep:
+            return
+        tail = blocks[num_keep:]
+        del blocks[num_keep:]
+        del self._req_to_block_ids[request.request_id][num_keep:]
+        self.block_pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release all of `request`'s blocks and forget it. A no-op if it holds none.
 

@@ -1,0 +1,77 @@
+"""SpeculativeConfig: `--speculative-config` as vLLM spells it (JSON), resolved and frozen."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+_DEFAULT_PROMPT_LOOKUP = 5
+"""vLLM's default for prompt_lookup_min / _max when neither is given."""
+_DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding on the decode role (the prefill role ignores it)."""
+
+    method: Literal["ngram"]
+    """"ngram": prompt lookup, drafts copied from the sequence's own earlier tokens."""
+    num_speculative_tokens: int
+    """k: drafts proposed per step; a request is scored on up to k + 1 tokens a step."""
+    prompt_lookup_max: int = _DEFAULT_PROMPT_LOOKUP
+    """Longest suffix n-gram looked up (tried first)."""
+    prompt_lookup_min: int = _DEFAULT_PROMPT_LOOKUP
+    """Shortest suffix n-gram looked up."""
+    disable_by_batch_size: int = _DEFAULT_DISABLE_BY_BATCH_SIZE
+    """Back-off under load: no drafts in a step after which more than this many requests
+    run (a busy batch is no longer bound by reading the weights, so verifying drafts costs
+    real compute). 0: never back off."""
+
+    @classmethod
+    def from_value(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+        """Parse a JSON string or dict (vLLM's keys); None / "" / {} mean off.
+
+        Raises:
+            ValueError: naming the key that is wrong.
+        """
+        if value is None or value == "" or value == {}:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: expected a JSON object")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown}; "
+                             f"supported: {sorted(known)}")
+        method = value.get("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative_config.method: only 'ngram' is supported, "
+                             f"got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens: an integer in "
+                             f"[1, 16] is required, got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = _DEFAULT_PROMPT_LOOKUP
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"speculative_config.{name}: an integer >= 1, got {n!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) exceeds "
+                             f"prompt_lookup_max ({hi})")
+        backoff = value.get("disable_by_batch_size", _DEFAULT_DISABLE_BY_BATCH_SIZE)
+        if not isinstance(backoff, int) or isinstance(backoff, bool) or backoff < 0:
+            raise ValueError("speculative_config.disable_by_batch_size: an integer >= 0, "
+                             f"got {backoff!r}")
+        return cls(method="ngram", num_speculative_tokens=k, prompt_lookup_max=hi,
+                   prompt_lookup_min=lo, disable_by_batch_size=backoff)

@@ -1,0 +1,91 @@
+"""The scheduler's and engine core's side of speculative decoding: how many drafts a
+request is scored on, what is kept of its samples, and when drafts are proposed.
+
+KV of a step with drafts (T = request.num_tokens before the step, k drafts, a accepted):
+
+    positions  ... T-1 | T   ...  T+a-1 | T+a ... T+k-1
+               last    | accepted drafts | rejected drafts
+    KV written by the step: all of them; num_computed_tokens: T+k at schedule(),
+    rolled back to T+a (= num_tokens - 1 after the a + 1 kept tokens) at update.
+
+The rejected positions' slots are simply rewritten when those positions are computed
+again; blocks past the computed ones are freed (`KVCacheManager.trim_blocks`). Blocks are
+cached only when full of known tokens, and drafts are never known tokens until accepted,
+so a rejected draft never reaches the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from shared.engine.spec_decode.config import SpeculativeConfig
+from shared.engine.spec_decode.ngram_proposer import NgramProposer
+from shared.engine.spec_decode.verification import (
+    SpecDecodingStats,
+    can_speculate,
+    max_num_drafts,
+    num_accepted_drafts,
+)
+from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.request import Request, RequestStatus
+
+
+def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int) -> int:
+    """Drafts to score with `request` this step: its proposals, when it is decoding (one
+    token to compute) and the token budget has room after that token."""
+    drafts = request.spec_token_ids
+    if not drafts or num_new_tokens != 1 or \
+            request.num_computed_tokens != request.num_tokens - 1:
+        return 0
+    return max(0, min(len(drafts), token_budget - 1))
+
+
+def append_draft_samples(request: Request, drafts: Sequence[int], entry: tuple,
+                         kv_cache_manager: KVCacheManager, stats: SpecDecodingStats,
+                         max_model_len: int, check_stop: Callable
+                         ) -> tuple[list[int], list, RequestStatus | None, int | None]:
+    """Keep the accepted drafts and the token after them, one at a time under the stop
+    rules (nothing past a stop is kept), roll the rejected drafts' KV back.
+
+    Args:
+        entry: (k + 1 sampled tokens, their k + 1 logprobs or Nones) from the runner.
+
+    Returns:
+        (kept token ids, their logprobs (those not None), status, stop_reason) where
+        status / stop_reason are `check_stop`'s after the last kept token.
+    """
+    token_ids, logprobs = entry
+    num_accepted = num_accepted_drafts(drafts, token_ids)
+    stats.observe(len(drafts), num_accepted)
+    request.num_computed_tokens -= len(drafts) - num_accepted
+    kept: list[int] = []
+    kept_logprobs = []
+    status, stop_reason = None, None
+    for token_id, lp in zip(token_ids[:num_accepted + 1], logprobs):
+        request.append_output_token(token_id, lp)
+        kept.append(token_id)
+        if lp is not None:
+            kept_logprobs.append(lp)
+        status, stop_reason = check_stop(request, max_model_len)
+        if status is not None:
+            break
+    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+    kv_cache_manager.trim_blocks(request, request.num_computed_tokens)
+    return kept, kept_logprobs, status, stop_reason
+
+
+def propose_drafts(proposer: NgramProposer, config: SpeculativeConfig,
+                   running: list[Request], max_model_len: int) -> None:
+    """Set each running request's `spec_token_ids` for the next step (after a step's
+    update). Backs off under load: no drafts while more than `disable_by_batch_size`
+    requests run."""
+    backoff = config.disable_by_batch_size
+    propose = backoff == 0 or len(running) <= backoff
+    for request in running:
+        if not propose or request.num_computed_tokens != request.num_tokens - 1 \
+                or not can_speculate(request):
+            if request.spec_token_ids:
+                request.spec_token_ids = []
+            continue
+        request.spec_token_ids = proposer.propose(
+            request.all_token_ids, max_num_drafts(request, max_model_len))
