@@ -18,8 +18,8 @@ TEST_QUANTIZATION = os.environ.get("PDSERVE_QUANTIZATION", "none")
 """The engines' weight mode for the whole suite: `PDSERVE_QUANTIZATION=int8 make test` runs
 it with int8 weights (issue 17). Services started as processes read the variable themselves
 (`--quantization`'s default); in-process engines (LLM, EngineArgs) take it as their default
-here. Tests marked `fp32_only` (exact parity with transformers' fp32 model) are skipped in
-any other mode."""
+here. Tests marked `fp32_only` (exact parity with transformers' fp32 model, or the fp32
+default itself) are skipped in any other mode."""
 
 
 def _set_default_quantization(mode: str) -> None:

@@ -68,6 +68,11 @@ class ServiceMetrics:
         self._preemptions = counter("num_preemptions", "Preemptions (by recompute).")
         self._prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled here.")
         self._generation_tokens = counter("generation_tokens", "Tokens generated here.")
+        self._after_abort = counter(
+            "prompt_tokens_after_abort", "Prompt tokens computed by steps that ended after "
+            "their request's abort had arrived (work for nobody: at most the chunk of the step "
+            "in flight when the abort came).")
+        self._after_abort_seen = 0
         self._request_success = counter("request_success", "Finished requests by reason.",
                                         ("finished_reason",))
         self._ttft = histogram("time_to_first_token_seconds",
@@ -93,8 +98,8 @@ class ServiceMetrics:
         # data" until then). pdserve_redis_up stays absent without --redis-url.
         for metric in (self._running, self._waiting, self._kv_usage, self._prefix_queries,
                        self._prefix_hits, self._preemptions, self._prompt_tokens,
-                       self._generation_tokens, self._ttft, self._itl, self._e2e,
-                       self._blocks_sent, self._bytes_sent, self._blocks_received,
+                       self._generation_tokens, self._after_abort, self._ttft, self._itl,
+                       self._e2e, self._blocks_sent, self._bytes_sent, self._blocks_received,
                        self._bytes_received, self._transfer_seconds):
             self._l(metric)
 
@@ -116,6 +121,12 @@ class ServiceMetrics:
             if value > (before or 0):
                 self._l(metric).inc(value - (before or 0))
         self._last = s
+
+    def prompt_tokens_after_abort(self, total: int) -> None:
+        """The engine's cumulative count (EngineCore.num_prompt_tokens_after_abort)."""
+        if total > self._after_abort_seen:
+            self._l(self._after_abort).inc(total - self._after_abort_seen)
+            self._after_abort_seen = total
 
     def redis_up(self, up: bool) -> None:
         self._l(self._redis_up).set(1 if up else 0)

@@ -100,10 +100,12 @@ class InstanceMonitor:
     async def tick(self) -> None:
         """Drain events, update metrics, publish the net changes."""
         async with self._lock:
-            events, self.stats = await self.worker.engine.call(
-                lambda e: (e.kv_cache_manager.take_events(), stats_op(e)))
+            events, self.stats, after_abort = await self.worker.engine.call(
+                lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
+                           e.num_prompt_tokens_after_abort))
             self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks(),
                                               self.worker.num_pending())
+            self.worker.metrics.prompt_tokens_after_abort(after_abort)
             if self.index is None or self._left:
                 return
             try:

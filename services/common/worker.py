@@ -3,6 +3,11 @@
 A worker owns one AsyncEngine. Every op that touches the scheduler or the KV cache manager
 runs on the engine thread, between steps, through `AsyncEngine.call`; the functions named
 `*_op` below are such ops (they take the EngineCore and must not block).
+
+NOTE: control calls (Abort, ReleaseKV, GetState, health) never wait for a model step, which
+can take seconds (a 2,048-token chunk on 2 cores): Abort and ReleaseKV answer from this
+worker's own state and queue their engine op without awaiting it (the op runs before the
+next step is scheduled); GetState waits for the engine thread at most STATE_WAIT_S.
 """
 
 from __future__ import annotations
@@ -155,7 +160,8 @@ class EngineWorker:
         return []
 
     async def abort(self, request_ids: list[str]) -> list[str]:
-        return await self.engine.abort(request_ids)
+        """Abort without waiting for the engine thread; returns the ids known here."""
+        return self.engine.request_abort(request_ids)
 
     # -- shared ------------------------------------------------------------------------------
 

@@ -342,7 +342,7 @@ class DecodeWorker(EngineWorker):
                 aborted.add(request_id)
                 if ticket.task is not None and not ticket.task.done():
                     ticket.task.cancel()
-        aborted.update(await self.engine.abort(request_ids))
+        aborted.update(self.engine.request_abort(request_ids))
         return sorted(aborted)
 
     def num_pending(self) -> int:

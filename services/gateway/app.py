@@ -78,6 +78,7 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
     engine = ServingEngine(config, backend, placer)
     metrics = GatewayMetrics()
     metrics.registry.register(engine.failover_stats)
+    metrics.registry.register(backend.control_calls)
     admission = AdmissionQueue(config.max_num_queued_requests, config.max_queued_tokens,
                                metrics.registry)
     shutdown = ShutdownNotice()

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.gateway.control_calls import ControlCallStats
 from shared import config as shared_config
 from shared.config import MAX_GRPC_MESSAGE_BYTES as _MAX_MESSAGE_BYTES
 from shared.config import grpc_keepalive_channel_options, grpc_reconnect_options
@@ -65,6 +67,8 @@ class EngineBackend:
         self._background: set[asyncio.Task] = set()
         self._active: Counter[str] = Counter()
         """Prefill and Generate calls in flight per address."""
+        self.control_calls = ControlCallStats()
+        """Abort / ReleaseKV outcomes and latencies (a Prometheus collector)."""
 
     def _get(self, address: str) -> _Channel:
         ch = self._channels.get(address)
@@ -152,21 +156,27 @@ class EngineBackend:
                      request_id: str) -> None:
         ch = self._get(address)
         stub = ch.prefill if role == "prefill" else ch.decode
+        start, code = time.monotonic(), "OK"
         try:
             await stub.Abort(engine_pb2.AbortRequest(request_ids=engine_request_ids),
                              timeout=self.rpc_timeout, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as e:
-            logger.warning("[%s] Abort on %s %s failed: %s", request_id, role, address,
-                           e.code().name)
+            code = e.code().name
+            logger.warning("[%s] Abort on %s %s failed: %s", request_id, role, address, code)
+        finally:
+            self.control_calls.observe("Abort", code, time.monotonic() - start)
 
     async def _release_kv(self, address: str, engine_request_id: str, request_id: str) -> None:
+        start, code = time.monotonic(), "OK"
         try:
             await self._get(address).prefill.ReleaseKV(
                 engine_pb2.ReleaseKVRequest(request_id=engine_request_id),
                 timeout=self.rpc_timeout, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as e:
-            logger.warning("[%s] ReleaseKV on %s failed: %s", request_id, address,
-                           e.code().name)
+            code = e.code().name
+            logger.warning("[%s] ReleaseKV on %s failed: %s", request_id, address, code)
+        finally:
+            self.control_calls.observe("ReleaseKV", code, time.monotonic() - start)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

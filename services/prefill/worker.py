@@ -103,7 +103,8 @@ class PrefillWorker(EngineWorker):
         super().__init__(*args, **kwargs)
         self._pins: dict[str, Pin] = {}
         self._closing: dict[str, Pin] = {}
-        """Released / aborted / expired pins whose FetchKV streams still read them."""
+        """Released / aborted / expired pins not freed yet (a FetchKV stream still reads
+        them, or the free op waits for the step in flight)."""
         self._in_flight: dict[str, _InFlight] = {}
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
 
@@ -225,10 +226,13 @@ class PrefillWorker(EngineWorker):
                 self.spawn(self._free_after(pin, pending))
 
     async def release(self, request_id: str) -> bool:
-        """Unpin; False when there was no pin (released, aborted or expired already)."""
-        return await self._close(request_id)
+        """Unpin; False when there was no pin (released, aborted or expired already). Answers
+        at once: the blocks are freed by an engine op before the next step."""
+        return self._close(request_id)
 
     async def abort(self, request_ids: list[str]) -> list[str]:
+        """Abort prefills in flight and unpin finished ones, without waiting for the engine
+        thread (a prefill's uncomputed chunks are dropped before the next step)."""
         aborted = []
         running = []
         for request_id in request_ids:
@@ -237,34 +241,42 @@ class PrefillWorker(EngineWorker):
                 state.aborted = True
                 running.append(request_id)
                 aborted.append(request_id)
-            elif await self._close(request_id):
+            elif self._close(request_id):
                 aborted.append(request_id)
         if running:
-            await self.engine.abort(running)
+            self.engine.request_abort(running)
         return aborted
 
-    async def _close(self, request_id: str) -> bool:
+    def _close(self, request_id: str) -> bool:
+        """Take the pin out of `_pins` (no FetchKV can start on it); its blocks count as
+        pinned, in `_closing`, until freed: now (an engine op, not awaited) or by its last
+        FetchKV stream."""
         pin = self._pins.pop(request_id, None)
         if pin is None:
             return False
         pin.closed = True
+        self._closing[request_id] = pin
         if pin.num_fetches == 0:
-            await self._free(pin)
-        else:
-            self._closing[request_id] = pin
+            self._free(pin)
         return True
 
     async def _free_after(self, pin: Pin, gather: asyncio.Future) -> None:
         """Free once the last chunk gather is done (never free blocks under a reader)."""
         await asyncio.gather(gather, return_exceptions=True)
-        await self._free(pin)
+        self._free(pin)
 
-    async def _free(self, pin: Pin) -> None:
+    def _free(self, pin: Pin) -> None:
+        """Queue the free of the pin's blocks (an engine op, queued now: a GetState asked
+        after this sees them freed); the pin leaves `_closing` once the op has run."""
         request = pin.request
+        freed = self.engine.submit(lambda e: e.kv_cache_manager.free(request))
+        self.spawn(self._forget_when_freed(request.request_id, freed))
+
+    async def _forget_when_freed(self, request_id: str, freed: asyncio.Future) -> None:
         try:
-            await asyncio.shield(self.engine.call(lambda e: e.kv_cache_manager.free(request)))
+            await asyncio.shield(freed)
         finally:
-            self._closing.pop(request.request_id, None)
+            self._closing.pop(request_id, None)
 
     async def _reap_expired(self) -> None:
         """Unpin handles nobody fetched or released within the TTL."""
@@ -277,7 +289,7 @@ class PrefillWorker(EngineWorker):
             for request_id in expired:
                 logger.info("[%s] KV pin expired after %g s without a release", request_id,
                             self.config.kv_pin_ttl)
-                await self._close(request_id)
+                self._close(request_id)
 
     # -- audit -------------------------------------------------------------------------------
 

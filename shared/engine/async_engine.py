@@ -9,6 +9,11 @@ block on a model step (which holds the GIL only between torch kernels).
          ▲                                                        │
          └──────────── asyncio.Queue per request ◀────────────────┘
 
+An abort never waits for a step: `request_abort` marks the request (`aborting`, read by the
+engine thread) and queues its abort op, which runs before the next step is scheduled, so the
+request's uncomputed prompt chunks are never scheduled; only the step in flight when the
+abort arrived still computes its chunk (counted in `EngineCore.num_prompt_tokens_after_abort`).
+
 A step that raises (a bad kernel input, out of memory, a bug) fails every request the engine
 holds: their blocks are freed and their streams raise EngineStepError, which the services
 answer INTERNAL, a status the gateway fails over (with the tokens so far). The engine goes
@@ -47,6 +52,12 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
         self._stopped = False
+        self.aborting: dict[str, None] = {}
+        """Ids of open streams whose abort has arrived, until their stream ends. Written on the
+        event loop's thread; the engine thread only tests membership (atomic under the GIL):
+        an add op skips such a request, and the core counts the prompt tokens a step computed
+        for them."""
+        engine.aborts_arrived = self.aborting
         self.last_step_time = time.monotonic()
         """Monotonic time the loop last made progress (a step, or idle with no work)."""
         self.num_steps = 0
@@ -67,11 +78,16 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps; return or raise its result."""
+        return await self.submit(fn)
+
+    def submit(self, fn: Callable[[EngineCore], T]) -> asyncio.Future:
+        """Queue `fn(engine)` for the engine thread now (ops run in submission order, between
+        steps); the future of its result. Call it on the event loop's thread."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._ops.put((fn, loop, fut))
         self._wake.set()
-        return await fut
+        return fut
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutputDelta]:
         """Add `request` and yield its deltas until it finishes.
@@ -80,19 +96,22 @@ class AsyncEngine:
         that ran it failed (the request is gone from the engine). If the consumer stops
         early (cancelled, closed), the request is aborted and its blocks freed.
         """
-        structured_outputs = request.sampling_params.structured_outputs
-        if structured_outputs is not None:  # compiled off the engine thread, cached
-            await self.engine.structured_output.wait_for_grammar(structured_outputs)
-        loop = asyncio.get_running_loop()
+        request_id = request.request_id
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = (loop, q)
+        # NOTE: the stream exists before the add op is queued, so an abort that arrives
+        # meanwhile (e.g. during a grammar compile) is marked and the add op skips it.
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        submitted = finished = False
         try:
-            await self.call(lambda e: e.add_request(request))
-        except BaseException:
-            self._streams.pop(request.request_id, None)
-            raise
-        finished = False
-        try:
+            structured_outputs = request.sampling_params.structured_outputs
+            if structured_outputs is not None:  # compiled off the engine thread, cached
+                await self.engine.structured_output.wait_for_grammar(structured_outputs)
+            submitted = True
+            try:
+                await self.call(lambda e: self._add_op(request))
+            except Exception:
+                submitted = False  # refused: nothing was added
+                raise
             while not finished:
                 delta: RequestOutputDelta | EngineStepError = await q.get()
                 if isinstance(delta, EngineStepError):
@@ -101,13 +120,37 @@ class AsyncEngine:
                 finished = delta.finished
                 yield delta
         finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                await asyncio.shield(self.abort([request.request_id]))
+            aborting = submitted and not finished
+            if aborting:  # marked while its stream is still known (counts its step in flight)
+                self._mark_aborting([request_id])
+            self._streams.pop(request_id, None)
+            try:
+                if aborting:
+                    await asyncio.shield(self.abort([request_id]))
+            finally:
+                self.aborting.pop(request_id, None)
 
     async def abort(self, request_ids: list[str]) -> list[str]:
-        """Abort now (blocks freed at once); open streams end with an ABORT delta."""
+        """`request_abort`, then wait for the engine thread to apply it (at most the step in
+        flight); returns the ids it aborted (those still in the scheduler)."""
+        self._mark_aborting(request_ids)
         return await self.call(lambda e: self._abort_op(request_ids))
+
+    def request_abort(self, request_ids: list[str]) -> list[str]:
+        """Abort without waiting for the engine thread (control calls must not queue behind
+        a model step): the abort op runs before the next step is scheduled, frees the
+        blocks and ends the open streams with an ABORT delta. Call it on the event loop's
+        thread. Returns the ids with an open stream here."""
+        known = self._mark_aborting(request_ids)
+        self._ops.put((lambda e: self._abort_op(request_ids), None, None))
+        self._wake.set()
+        return known
+
+    def _mark_aborting(self, request_ids: list[str]) -> list[str]:
+        known = [r for r in request_ids if r in self._streams]
+        for request_id in known:
+            self.aborting[request_id] = None
+        return known
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -207,9 +250,13 @@ class AsyncEngine:
             try:
                 result: Any = fn(self.engine)
             except BaseException as e:  # delivered to the caller, never kills the loop
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+                if loop is None:  # nobody waits for it (request_abort)
+                    logger.exception("engine op failed")
+                else:
+                    loop.call_soon_threadsafe(_set_exception, fut, e)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+                if loop is not None:
+                    loop.call_soon_threadsafe(_set_result, fut, result)
 
     def _dispatch(self, deltas: list[RequestOutputDelta]) -> None:
         # NOTE: one call_soon_threadsafe per event loop per step, not one per request: each
@@ -223,6 +270,13 @@ class AsyncEngine:
                 batches.setdefault(loop, []).append((q, delta))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver, batch)
+
+    def _add_op(self, request: Request) -> None:
+        if request.request_id in self.aborting:  # aborted before it was added: end it here
+            self._dispatch([RequestOutputDelta(request.request_id, [], [], FinishReason.ABORT,
+                                               None)])
+            return
+        self.engine.add_request(request)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
         ids = [r.request_id for r in self.engine.abort_requests(request_ids)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Container
 
 import torch
 
@@ -97,6 +98,12 @@ class EngineCore:
             enable_kv_cache_events=enable_kv_cache_events)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
                                    hold_finished_blocks=hold_finished_blocks)
+        self.aborts_arrived: Container[str] = frozenset()
+        """Ids whose abort has arrived but may not be applied yet (AsyncEngine's `aborting`,
+        written by another thread: only membership is read here)."""
+        self.num_prompt_tokens_after_abort = 0
+        """Prompt tokens computed by steps that ended after their request's abort arrived:
+        work for nobody (at most the chunk of the step in flight when the abort came)."""
         self.speculative_config = speculative_config
         """Speculative decoding (drafts proposed after each step); None: off."""
         self.drafter = NgramProposer(speculative_config) if speculative_config else None
@@ -188,6 +195,9 @@ class EngineCore:
             sampled = self.model_runner.execute_model(scheduler_output)
         finally:
             self._last_step_end_ns = time.monotonic_ns()
+        if self.aborts_arrived:
+            self.num_prompt_tokens_after_abort += num_prompt_tokens_of(
+                scheduler_output, self.aborts_arrived)
         deltas = self.scheduler.update_from_output(scheduler_output, sampled)
         if self.drafter is not None:
             assert self.speculative_config is not None
@@ -198,6 +208,16 @@ class EngineCore:
         if finished:
             self.model_runner.remove_requests(finished)
         return deltas
+
+
+def num_prompt_tokens_of(scheduler_output, request_ids: Container[str]) -> int:
+    """Prompt tokens (positions < num_prompt_tokens) the step computed for `request_ids`."""
+    total = 0
+    for s in scheduler_output.scheduled:
+        if s.request.request_id in request_ids:
+            end = min(s.start_pos + s.num_scheduled_tokens, s.request.num_prompt_tokens)
+            total += max(0, end - s.start_pos)
+    return total
 
 
 def _attach_prompt_logprobs(scheduler_output, deltas: list) -> list:

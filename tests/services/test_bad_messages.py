@@ -232,13 +232,15 @@ async def test_bad_chunks_fail_the_request_and_free_its_blocks(cluster, bad_pref
     worker = cluster.decode.worker
     prompt = _prompt(6, 150)  # 10 blocks: two chunks of at most 5
     num_tokens = len(prompt)
-    hashes = hash_request_tokens(prompt, 16, block_extra_keys(worker.model_name, None))
+    hashes = hash_request_tokens(prompt, 16, block_extra_keys(worker.model_name, None,
+                                                              worker.quantization))
     layout = worker.layout
     handle = pb.KVTransferParams(
         prefill_instance_id="bad", prefill_address=address,
         block_ids=list(range(1, 11)), block_hashes=hashes, num_tokens=num_tokens,
         dtype=layout.dtype, num_layers=layout.num_layers, block_size=layout.block_size,
-        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, model=worker.model_name)
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, model=worker.model_name,
+        quantization=worker.quantization)
     rid = f"{flaw}:1"
     req = pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, output_token_ids=[42],
                            sampling_params=greedy(8), kv_transfer_params=handle)

@@ -9,6 +9,7 @@ import pytest
 import pytest_asyncio
 
 from shared.proto import engine_pb2 as pb
+from tests.conftest import TEST_QUANTIZATION
 from tests.services.helpers import (
     RPC_TIMEOUT,
     greedy,
@@ -25,6 +26,17 @@ PROMPT = [1, 9690, 28, 2] + list(range(1000, 1060))  # 64 tokens: 4 full blocks
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def int8_cluster(model_path):
     c = await start_cluster(model_path, None, quantization="int8")
+    yield c
+    await c.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fp32_cluster(model_path, cluster):
+    """The suite's cluster, or an fp32 one of its own when the suite runs int8."""
+    if TEST_QUANTIZATION == "none":
+        yield cluster
+        return
+    c = await start_cluster(model_path, None, quantization="none")
     yield c
     await c.close()
 
@@ -58,7 +70,8 @@ async def test_int8_split_serves_end_to_end(int8_cluster):
     await wait_leak_free(int8_cluster)
 
 
-async def test_int8_prefill_to_fp32_decode_is_refused(int8_cluster, cluster):
+async def test_int8_prefill_to_fp32_decode_is_refused(int8_cluster, fp32_cluster):
+    cluster = fp32_cluster
     resp = await _prefill(int8_cluster, "int8-to-fp32")
     assert resp.kv_transfer_params.quantization == "int8"
     code, details = await _refused(cluster, "int8-to-fp32", resp)
@@ -70,7 +83,8 @@ async def test_int8_prefill_to_fp32_decode_is_refused(int8_cluster, cluster):
     assert decode_state.num_used_blocks == 0
 
 
-async def test_fp32_prefill_to_int8_decode_is_refused(int8_cluster, cluster):
+async def test_fp32_prefill_to_int8_decode_is_refused(int8_cluster, fp32_cluster):
+    cluster = fp32_cluster
     resp = await _prefill(cluster, "fp32-to-int8")
     assert resp.kv_transfer_params.quantization == "none"
     code, details = await _refused(int8_cluster, "fp32-to-int8", resp)

@@ -13,6 +13,8 @@ from shared.llm import LLM
 from shared.request import Request
 from shared.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model
+
 TOP_K = 3
 ATOL = 1e-4
 TEXTS = ["The capital of France is Paris, and the capital of Italy is",

@@ -44,7 +44,7 @@ def text_ids(tokenizer) -> list[int]:
 
 @pytest.fixture(scope="module")
 def fp32(model_path):
-    return LLM(model_path, kv_cache_memory=KV_MEMORY, max_num_seqs=16)
+    return LLM(model_path, kv_cache_memory=KV_MEMORY, max_num_seqs=16, quantization="none")
 
 
 @pytest.fixture(scope="module")
