@@ -71,12 +71,17 @@ def _assert_nothing_held(core) -> None:
     assert kv.block_pool.get_num_free_blocks() == kv.block_pool.num_gpu_blocks - 1
 
 
-@pytest.fixture
-def engine(llm):
+@pytest.fixture(scope="module")
+def async_engine(llm):
     engine = AsyncEngine(llm.engine, name="abort-test")
     yield engine
-    engine.fault_hook = None
     engine.shutdown()
+
+
+@pytest.fixture
+def engine(async_engine):
+    yield async_engine
+    async_engine.fault_hook = None
 
 
 async def test_abort_mid_prefill_drops_the_remaining_chunks(engine):
