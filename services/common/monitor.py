@@ -3,8 +3,10 @@
 Every `publish_interval` one engine-thread op drains the KV cache events (BlockStored /
 BlockRemoved / AllBlocksCleared) and snapshots the stats; the events' net effect is
 published to this instance's held set. Every `heartbeat_interval` the registration is
-refreshed. When Redis was unreachable (events were dropped) or lost our keys (restart,
-TTL lapsed) the monitor republishes the whole hash map, snapshotted on the engine thread
+refreshed, by a task of its own that never waits for the engine thread (a tick does, as long
+as the step in flight takes: seconds for a long prefill, past the registration's TTL on a
+loaded machine). When Redis was unreachable (events were dropped) or lost our keys (restart,
+TTL lapsed) the next tick republishes the whole hash map, snapshotted on the engine thread
 together with the event drain so that nothing falls between the two. The `pdserve_redis_up`
 gauge follows the index's connection state after every tick and heartbeat.
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from services.common.metrics import EngineStats
 from services.common.worker import EngineWorker, stats_op
@@ -49,19 +50,23 @@ class InstanceMonitor:
         self.stats: EngineStats | None = None
         self.dirty = True
         """Redis may not match our cache: republish everything at the next chance."""
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self._lock = asyncio.Lock()
+        """Serializes ticks, resyncs and leave() (held while a tick waits for the engine)."""
+        self._register_lock = asyncio.Lock()
+        """Serializes heartbeats with leave() (never held across an engine op)."""
         self._left = False
         """leave() was called: nothing more is written to Redis."""
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._run()), loop.create_task(self._beat())]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         await self.leave()
 
     async def leave(self) -> None:
@@ -69,7 +74,7 @@ class InstanceMonitor:
         Should Redis not answer, the registration expires within its TTL all the same."""
         if self.index is None or self._left:
             return
-        async with self._lock:
+        async with self._lock, self._register_lock:
             self._left = True
             if await self.index.unregister(self.worker.identity.instance_id):
                 logger.info("%s left the registry", self.worker.identity.instance_id)
@@ -84,18 +89,20 @@ class InstanceMonitor:
             metrics_address=self.metrics_address)
 
     async def _run(self) -> None:
-        next_heartbeat = 0.0
+        await self._every(self.config.publish_interval, self.tick, "tick")
+
+    async def _beat(self) -> None:
+        await self._every(self.config.heartbeat_interval, self.heartbeat, "heartbeat")
+
+    async def _every(self, interval: float, fn, what: str) -> None:
         while True:
             try:
-                if time.monotonic() >= next_heartbeat:
-                    next_heartbeat = time.monotonic() + self.config.heartbeat_interval
-                    await self.heartbeat()
-                await self.tick()
+                await fn()
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let monitoring take the service down
-                logger.exception("instance monitor tick failed")
-            await asyncio.sleep(self.config.publish_interval)
+                logger.exception("instance monitor %s failed", what)
+            await asyncio.sleep(interval)
 
     async def tick(self) -> None:
         """Drain events, update metrics, publish the net changes."""
@@ -120,26 +127,28 @@ class InstanceMonitor:
                 self.worker.metrics.redis_up(self.index.is_up)
 
     async def heartbeat(self) -> None:
-        if self.index is None or self._left:
+        """Refresh the registration (no engine op); when it was new (Redis restarted, the
+        TTL lapsed) or Redis did not answer, the next tick republishes the hashes."""
+        if self.index is None:
             return
-        async with self._lock:
+        async with self._register_lock:
+            if self._left:
+                return
             is_new = await self.index.register(self.info())
-            if is_new is None:
-                self.dirty = True
-            elif is_new or self.dirty:
-                await self._resync(registered=True)
-            self.worker.metrics.redis_up(self.index.is_up)
+        if is_new is None or is_new:
+            self.dirty = True
+        self.worker.metrics.redis_up(self.index.is_up)
 
     async def flush(self) -> None:
         """Publish everything pending now (tests, shutdown)."""
         await self.tick()
         if self.dirty:
-            await self.heartbeat()
+            await self.tick()  # a resync
 
-    async def _resync(self, registered: bool = False) -> None:
+    async def _resync(self) -> None:
         assert self.index is not None
         instance_id = self.worker.identity.instance_id
-        if not registered and await self.index.register(self.info()) is None:
+        if await self.index.register(self.info()) is None:
             return
         hashes = await self.worker.engine.call(snapshot_hashes_op)
         if await self.index.republish(instance_id, hashes):

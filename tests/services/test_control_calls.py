@@ -1,8 +1,9 @@
 """Control calls get through a busy prefill (issue 13, item 7): with the engine thread held
 inside a step of a long, chunked prompt, Abort (straight and through the gateway's
-EngineBackend), ReleaseKV, GetState and the health check all complete before that step does;
-the aborted prompt's remaining chunks are never computed, the step in flight's chunk is
-counted by pdserve_prompt_tokens_after_abort_total, and no block stays in use or pinned.
+EngineBackend), ReleaseKV, GetState and the health check all complete before that step does,
+and the instance's registration in Redis outlives a step held past its TTL; the aborted
+prompt's remaining chunks are never computed, the step in flight's chunk is counted by
+pdserve_prompt_tokens_after_abort_total, and no block stays in use or pinned.
 
 The step is held by the engine's fault hook (called on the engine thread before each step), so
 "before the step finished" is a fact the test checks, not a race against a clock."""
@@ -35,6 +36,7 @@ CHUNK = 128
 PROMPT = 1000  # 8 chunks
 HOLD_AT = 3
 """The held step: the long prompt's fourth chunk."""
+REGISTRATION_TTL = 1.0
 
 
 class StepGate:
@@ -54,9 +56,12 @@ class StepGate:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def prefill(model_path):
-    runtime = await start_runtime(service_config("prefill", None),
-                                  engine_args(model_path, max_num_batched_tokens=CHUNK))
+async def prefill(model_path, redis_server):
+    """Registered in the session's Redis (when there is a redis-server) with a short TTL."""
+    runtime = await start_runtime(
+        service_config("prefill", redis_server.url if redis_server else None,
+                       registration_ttl=REGISTRATION_TTL),
+        engine_args(model_path, max_num_batched_tokens=CHUNK))
     ch = channel(runtime.identity.address)
     try:
         await runtime.wait_ready(300)
@@ -110,6 +115,12 @@ async def test_control_calls_complete_while_a_step_is_in_flight(prefill):
         assert check.status == health_pb2.HealthCheckResponse.SERVING
         backend.abort_soon(runtime.identity.address, "prefill", ["long"], "long")
         await _poll(lambda: backend.control_calls.calls["Abort", "OK"] == 1)
+        if runtime.index is not None:  # held past the TTL: the heartbeat goes on
+            instance_id = runtime.identity.instance_id
+            for _ in range(int(2 * REGISTRATION_TTL / 0.1)):
+                listed = await runtime.index.live_instances("prefill")
+                assert instance_id in [i.instance_id for i in listed]
+                await asyncio.sleep(0.1)
         assert worker.engine.num_steps == steps and not gate.released.is_set()
         assert request.num_computed_tokens == HOLD_AT * CHUNK  # the held one not scheduled yet
     finally:
