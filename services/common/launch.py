@@ -26,7 +26,9 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
             # NOTE: one thread while loading: only the engine thread may own a multi-
             # threaded OpenMP pool (see apply_cpu_placement).
             core = EngineCore(*configs, hold_finished_blocks=role == "prefill",
-                              enable_kv_cache_events=True, load_threads=1)
+                              enable_kv_cache_events=True, load_threads=1,
+                              speculative_config=None if role == "prefill"
+                              else engine_args.create_speculative_config())
             return core, get_tokenizer(configs[0].model_path).eos_token_id
     return load
 

@@ -39,6 +39,7 @@ from services.common.readiness import (
     stall_file_hook,
     step_fault_hook,
 )
+from services.common.spec_decode_metrics import register_spec_decode_metrics
 from services.common.worker import EngineWorker, Identity
 from shared.config import grpc_keepalive_server_options
 from shared.engine.async_engine import AsyncEngine
@@ -137,6 +138,9 @@ class ServiceRuntime:
             logger.warning("test hook: every engine step raises while %s exists", fault_file)
             engine.fault_hook = step_fault_hook(fault_file)
         metrics = ServiceMetrics(core.model_config.served_model_name, self.registry)
+        if core.speculative_config is not None:
+            register_spec_decode_metrics(self.registry, core.scheduler.spec_decoding_stats,
+                                         core.model_config.served_model_name)
         self.worker = self._make_worker(engine, self.config, self.identity, metrics,
                                         eos_token_id)
         if self.config.redis_url:

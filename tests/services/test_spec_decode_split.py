@@ -1,0 +1,52 @@
+"""N-gram speculation on the decode service, across the split: greedy outputs equal the
+single-process engine's without speculation, the decode instance's /metrics registry
+counts drafts (pdserve_spec_decode_*), and no block leaks on either side."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import pytest_asyncio
+
+from shared.sampling_params import SamplingParams
+from tests.conftest import NUM_PARITY_TOKENS
+from tests.services.helpers import greedy, run_split, start_cluster, wait_leak_free
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 1, "disable_by_batch_size": 0})
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def spec_cluster(model_path):
+    c = await start_cluster(model_path, None, speculative_config=NGRAM)
+    yield c
+    await c.close()
+
+
+async def test_split_with_speculation_matches_engine(spec_cluster, reference_llm,
+                                                     parity_prompt_ids):
+    prompts = parity_prompt_ids[:4]
+    want = [o.outputs[0].token_ids for o in reference_llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts],
+        SamplingParams(temperature=0.0, max_tokens=NUM_PARITY_TOKENS))]
+    results = await asyncio.gather(*(run_split(spec_cluster, f"spec-{i}", ids,
+                                               greedy(NUM_PARITY_TOKENS))
+                                     for i, ids in enumerate(prompts)))
+    assert [r.token_ids for r in results] == want
+    # Speculation runs on the decode side only.
+    assert spec_cluster.prefill.worker.engine.engine.speculative_config is None
+    registry = spec_cluster.decode.registry
+    labels = {"model_name": spec_cluster.decode.worker.model_name}
+    drafts = registry.get_sample_value("pdserve_spec_decode_num_draft_tokens_total", labels)
+    accepted = registry.get_sample_value("pdserve_spec_decode_num_accepted_tokens_total",
+                                         labels)
+    first = registry.get_sample_value("pdserve_spec_decode_num_accepted_tokens_per_pos_total",
+                                      {**labels, "position": "0"})
+    assert drafts > accepted > 0 and accepted >= first > 0
+    assert registry.get_sample_value("pdserve_spec_decode_num_drafts_total", labels) > 0
+    prefill_state, decode_state = await wait_leak_free(spec_cluster)
+    assert decode_state.num_used_blocks == 0 and decode_state.invariants_ok
