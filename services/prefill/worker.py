@@ -118,7 +118,9 @@ class PrefillWorker(EngineWorker):
             ValueError: a bad prompt (the engine's message).
             ServiceError: ALREADY_EXISTS (request id in use), ABORTED (Abort came first).
         """
-        # NOTE: ids are per instance: a stale pin of the same id would free our blocks.
+        # NOTE: ids are per instance: a stale pin of the same id would free our blocks. An id
+        # released a moment ago is taken once its blocks are freed (ReleaseKV answers first).
+        await self._wait_freed(request_id)
         if request_id in self._in_flight or request_id in self._pins \
                 or request_id in self._closing:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
@@ -271,6 +273,12 @@ class PrefillWorker(EngineWorker):
         request = pin.request
         freed = self.engine.submit(lambda e: e.kv_cache_manager.free(request))
         self.spawn(self._forget_when_freed(request.request_id, freed))
+
+    async def _wait_freed(self, request_id: str) -> None:
+        """Until a released pin of `request_id` is freed (at most rpc_timeout)."""
+        deadline = time.monotonic() + self.config.rpc_timeout
+        while request_id in self._closing and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
     async def _forget_when_freed(self, request_id: str, freed: asyncio.Future) -> None:
         try:
