@@ -85,6 +85,7 @@ def prepare_torch_metadata(
     block_size: int,
     num_kv_heads: int,
     bucket_size: int = DECODE_BUCKET_SIZE,
+    verify_reqs: frozenset[int] = frozenset(),
 ) -> TorchAttentionMetadata:
     """Builds the step's indices once (all host work), for every layer's `paged_attention`.
 
@@ -95,29 +96,39 @@ def prepare_torch_metadata(
         block_size: tokens per cache block.
         num_kv_heads: kv heads of the cache.
         bucket_size: decode rows per bucket in the torch-ops fallback.
+        verify_reqs: requests whose few query tokens (a last token + speculative drafts)
+            run as decode rows, one per token, each over the keys up to its own position
+            (causal); their K/V is stored before attention reads it.
     """
     seq_lens_list = seq_lens.tolist()
     starts = query_start_loc.tolist()
     block_table = block_table.long()
     decode_reqs: list[int] = []
     prefills: list[PrefillSlice] = []
+    verify_rows: list[tuple[int, int, int]] = []  # (query row, request, context length)
     for req_idx, seq_len in enumerate(seq_lens_list):
         start, end = starts[req_idx], starts[req_idx + 1]
         if end - start == 1:
             decode_reqs.append(req_idx)
+        elif req_idx in verify_reqs:
+            verify_rows.extend((start + j, req_idx, seq_len - (end - start) + 1 + j)
+                               for j in range(end - start))
         elif end - start > 1:
             slots = _cache_slots(block_table[req_idx : req_idx + 1], seq_len, block_size)[0]
             prefills.append(PrefillSlice(start, end, slots, _prefill_mask(end - start, seq_len)))
     # NOTE: longest first balances the native kernel's dynamic schedule across threads, and
     # puts rows of similar length next to each other for the fallback's buckets.
     decode_reqs.sort(key=lambda req_idx: -seq_lens_list[req_idx])
-    req_ids = torch.tensor(decode_reqs, dtype=torch.int64)
-    context_lens = torch.tensor([seq_lens_list[i] for i in decode_reqs], dtype=torch.int32)
-    token_ids = torch.tensor([starts[i] for i in decode_reqs], dtype=torch.int64)
+    rows = [(starts[i], i, seq_lens_list[i]) for i in decode_reqs]
+    if verify_rows:
+        rows = sorted(rows + verify_rows, key=lambda row: -row[2])
+    req_ids = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+    context_lens = torch.tensor([r[2] for r in rows], dtype=torch.int32)
+    token_ids = torch.tensor([r[0] for r in rows], dtype=torch.int64)
     buckets = tuple(
         _decode_bucket(block_table, token_ids[i : i + bucket_size], req_ids[i : i + bucket_size],
                        context_lens[i : i + bucket_size], block_size, num_kv_heads)
-        for i in range(0, len(decode_reqs), bucket_size)
+        for i in range(0, len(rows), bucket_size)
     )
     return TorchAttentionMetadata(
         num_scheduled_tokens=starts[-1],
@@ -126,7 +137,7 @@ def prepare_torch_metadata(
         decode_token_ids=token_ids,
         decode_req_ids=req_ids,
         decode_context_lens=context_lens,
-        max_decode_context_len=max((seq_lens_list[i] for i in decode_reqs), default=0),
+        max_decode_context_len=max((r[2] for r in rows), default=0),
         decode_buckets=buckets,
         prefills=tuple(prefills),
     )

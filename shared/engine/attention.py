@@ -20,7 +20,7 @@ class PagedAttention:
         # NOTE: the torch (CPU) path builds its gather indices once per step, not per layer.
         self.torch_metadata = (kernels.prepare_torch_metadata(
             metadata.block_table, metadata.seq_lens, metadata.query_start_loc, block_size,
-            num_kv_heads) if backend == "torch" else None)
+            num_kv_heads, verify_reqs=metadata.verify_reqs) if backend == "torch" else None)
         self.slot_has_skips = (bool((metadata.slot_mapping < 0).any())
                                if backend == "torch" else None)
 

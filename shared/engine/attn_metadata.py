@@ -30,3 +30,6 @@ class AttentionMetadata:
     max_seq_len: int
     num_decodes: int
     """The first num_decodes requests have exactly one query token each."""
+    verify_reqs: frozenset[int] = frozenset()
+    """Requests scoring speculative drafts (last token + drafts): the CPU path runs their
+    query tokens as decode rows (`kernels.torch_paged.prepare_torch_metadata`)."""

@@ -155,6 +155,8 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             num_decodes=num_decodes,
         )
+        if draft_rows is not None:
+            meta.verify_reqs = frozenset(i for i, s in enumerate(scheduled) if s.spec_token_ids)
         return PreparedInputs(
             input_ids=torch.from_numpy(input_ids).to(dev),
             positions=torch.from_numpy(positions).to(dev),
