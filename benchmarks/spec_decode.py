@@ -1,9 +1,9 @@
 """N-gram speculative decoding beside plain decoding, in-process engines, one run:
 
 - repetitive: one stream, prompts asking to repeat / correct / reformat a ~300-token
-  passage, 128 output tokens each (greedy, ignore_eos): per-token ITL p50 (each step's
-  time spread over the tokens it emitted, as a client sees them arrive), tokens per step
-  and the acceptance rate, with `--speculative-config` on and off;
+  passage, 128 output tokens each (greedy, ignore_eos): per-token ITL p50 and mean (each
+  step's time spread over the tokens it emitted), the gap between emissions (chunks),
+  tokens per step and the acceptance rate, with `--speculative-config` on and off;
 - mixed64 (benchmarks/workloads.py), all at once: output tok/s on and off (with the
   default back-off `disable_by_batch_size`, speculation stays out of a busy batch).
 
@@ -62,6 +62,7 @@ def one_stream(llm: LLM, prompt_ids: list[int], max_tokens: int) -> dict:
                       eos_token_id=llm.eos_token_id)
     engine.add_request(request)
     itl: list[float] = []
+    gaps: list[float] = []
     steps_after_first = 0
     first = True
     while engine.has_unfinished_requests():
@@ -77,7 +78,9 @@ def one_stream(llm: LLM, prompt_ids: list[int], max_tokens: int) -> dict:
         if n:
             steps_after_first += 1
             itl.extend([dt / n] * n)
-    return {"itl": itl, "tokens": request.num_output_tokens, "steps": steps_after_first}
+            gaps.append(dt)
+    return {"itl": itl, "gaps": gaps, "tokens": request.num_output_tokens,
+            "steps": steps_after_first}
 
 
 def repetitive(llms: dict[str, LLM], rounds: int, max_tokens: int = 128) -> dict:
@@ -85,7 +88,8 @@ def repetitive(llms: dict[str, LLM], rounds: int, max_tokens: int = 128) -> dict
     prompts = repetitive_prompts(llms["off"])
     for llm in llms.values():
         one_stream(llm, prompts[0], 8)  # warm-up
-    samples = {name: [] for name in llms}
+    samples: dict[str, list[float]] = {name: [] for name in llms}
+    gaps: dict[str, list[float]] = {name: [] for name in llms}
     steps = {name: 0 for name in llms}
     tokens = {name: 0 for name in llms}
     for r in range(rounds):
@@ -95,18 +99,24 @@ def repetitive(llms: dict[str, LLM], rounds: int, max_tokens: int = 128) -> dict
                 llm.engine.kv_cache_manager.reset_prefix_cache()
                 res = one_stream(llm, ids, max_tokens)
                 samples[name] += res["itl"]
+                gaps[name] += res["gaps"]
                 steps[name] += res["steps"]
                 tokens[name] += res["tokens"] - 1
     for name, llm in llms.items():
         stats = llm.engine.scheduler.spec_decoding_stats
         out[name] = {"itl_p50_s": statistics.median(samples[name]),
                      "itl_mean_s": statistics.fmean(samples[name]),
+                     "chunk_gap_p50_s": statistics.median(gaps[name]),
                      "tokens_per_step": tokens[name] / max(1, steps[name])}
         if stats.num_draft_tokens:
             out[name]["acceptance_rate"] = stats.num_accepted_tokens / stats.num_draft_tokens
             out[name]["accepted_per_pos"] = [a / stats.num_drafts
                                              for a in stats.num_accepted_tokens_per_pos]
     out["itl_p50_ratio_on_over_off"] = out["on"]["itl_p50_s"] / out["off"]["itl_p50_s"]
+    # NOTE: a step with drafts emits several tokens at once; the per-token p50 counts each
+    # of them, so it leans on the fast multi-token steps. The mean (= TPOT) is the steadier
+    # figure; chunk_gap is the time between a client's SSE chunks.
+    out["itl_mean_ratio_on_over_off"] = out["on"]["itl_mean_s"] / out["off"]["itl_mean_s"]
     return out
 
 
