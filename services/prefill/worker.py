@@ -60,6 +60,10 @@ class Pin:
     """Released, aborted or expired: the last FetchKV stream frees the blocks."""
     fetch_started: float = 0.0
     """Monotonic start of the latest FetchKV stream (state feed)."""
+    free_queued: bool = False
+    """The free of its blocks is queued on the engine thread: an engine op queued from now
+    on (GetState's, the state feed's) runs after it and sees the blocks free, so the audit
+    views count the pin no more (it stays in `_closing`, its id taken, until freed)."""
 
 
 @dataclass(slots=True)
@@ -271,6 +275,7 @@ class PrefillWorker(EngineWorker):
         """Queue the free of the pin's blocks (an engine op, queued now: a GetState asked
         after this sees them freed); the pin leaves `_closing` once the op has run."""
         request = pin.request
+        pin.free_queued = True
         freed = self.engine.submit(lambda e: e.kv_cache_manager.free(request))
         self.spawn(self._forget_when_freed(request.request_id, freed))
 
@@ -304,19 +309,21 @@ class PrefillWorker(EngineWorker):
     def num_pinned_blocks(self) -> int:
         return len(self.pinned_block_ids())
 
+    def _held_pins(self) -> dict[str, Pin]:
+        """Pins whose blocks an engine op queued now would still see pinned."""
+        return {rid: pin for pins in (self._pins, self._closing) for rid, pin in pins.items()
+                if not pin.free_queued}
+
     def pinned_block_ids(self) -> frozenset[int]:
-        pins = [*self._pins.values(), *self._closing.values()]
-        return frozenset(b for pin in pins for b in pin.block_ids)
+        return frozenset(b for pin in self._held_pins().values() for b in pin.block_ids)
 
     def request_labels(self) -> dict[str, tuple[str, Request | None]]:
-        return {rid: ("pinned", pin.request) for pins in (self._pins, self._closing)
-                for rid, pin in pins.items()}
+        return {rid: ("pinned", pin.request) for rid, pin in self._held_pins().items()}
 
     def transfers(self) -> list[TransferView]:
         now = time.monotonic()
         return [TransferView(rid, "send", "", len(pin.block_ids), now - pin.fetch_started)
-                for pins in (self._pins, self._closing) for rid, pin in pins.items()
-                if pin.num_fetches]
+                for rid, pin in self._held_pins().items() if pin.num_fetches]
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
