@@ -42,7 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.proto import engine_pb2, engine_pb2_grpc
-from tests.conftest import PARITY_MESSAGES
+from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.e2e.netns_hosts import Host, HostNetwork, HostProcess, cannot_make_hosts
 from tests.procs import REPO_ROOT
 
@@ -139,7 +139,8 @@ class Cluster:
 
 def _env() -> dict[str, str]:
     return {"PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-            "PDSERVE_INTERNAL_TOKEN": TOKEN, "PDSERVE_GRPC_KEEPALIVE_S": str(KEEPALIVE_S)}
+            "PDSERVE_INTERNAL_TOKEN": TOKEN, "PDSERVE_GRPC_KEEPALIVE_S": str(KEEPALIVE_S),
+            "PDSERVE_QUANTIZATION": TEST_QUANTIZATION}
 
 
 def _copy_model(model_path: str, target: Path, weights: bool = True) -> None:

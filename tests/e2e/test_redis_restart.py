@@ -90,7 +90,7 @@ async def prompt_hashes(gw: RunningGateway, text: str) -> list[bytes]:
     resp = await gw.http.post("/tokenize", json={"prompt": text})
     info = await gw.app.state.gateway.engine.engine_info()
     return hash_request_tokens(resp.json()["tokens"], info.block_size,
-                               block_extra_keys(info.model_name, None))
+                               block_extra_keys(info.model_name, None, info.quantization))
 
 
 async def run_with_outage(gw: RunningGateway, cluster: Cluster,

@@ -218,6 +218,7 @@ def _is_arithmetic(text: str) -> bool:
     return expr() and pos == len(text)
 
 
+@pytest.mark.fp32_only  # that greedy json_object closes within JSON_MAX_TOKENS is the model's
 async def test_json_object_and_the_legacy_guided_json(gateway):
     text, finish = await _chat(gateway.client, _ask_for("a city", {}), stream=False,
                                max_tokens=JSON_MAX_TOKENS, temperature=0,

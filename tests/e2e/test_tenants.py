@@ -113,8 +113,10 @@ async def test_salts_separate_redis_and_routing(tenant_gateway, redis_cluster, p
     c = redis_cluster
     prefill_state, _ = await get_states(c)
     model, bs = prefill_state.model, prefill_state.block_size
+    quantization = prefill_state.quantization
     assert await index_matches(c)
-    expected = {salt: hash_request_tokens(prompt_ids, bs, block_extra_keys(model, salt))
+    expected = {salt: hash_request_tokens(prompt_ids, bs,
+                                          block_extra_keys(model, salt, quantization))
                 for salt in dict.fromkeys(s for _, _, s in SENDS)}
     held_prefill = await c.index.held_hashes(c.prefill.identity.instance_id)
     held_all = held_prefill | await c.index.held_hashes(c.decode.identity.instance_id)
@@ -124,7 +126,8 @@ async def test_salts_separate_redis_and_routing(tenant_gateway, redis_cluster, p
     salted = [set(h) for h in expected.values()]
     assert sum(map(len, salted)) == len(set().union(*salted))  # pairwise disjoint
     for salt in (None, ""):  # nothing was cached without a tenant salt
-        plain = set(hash_request_tokens(prompt_ids, bs, block_extra_keys(model, salt)))
+        plain = set(hash_request_tokens(prompt_ids, bs,
+                                        block_extra_keys(model, salt, quantization)))
         assert not plain & held_all
     # The gateway's routing looked up exactly the salted hashes the engines cached.
     assert set(lookups) == {tuple(h) for h in expected.values()}
