@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import threading
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from tests.services.helpers import (
     service_config,
     start_runtime,
 )
+from tests.step_gate import StepGate
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 CHUNK = 128
@@ -37,22 +37,6 @@ PROMPT = 1000  # 8 chunks
 HOLD_AT = 3
 """The held step: the long prompt's fourth chunk."""
 REGISTRATION_TTL = 1.0
-
-
-class StepGate:
-    """Holds the engine thread before its step number `hold_at` (0-based), until released."""
-
-    def __init__(self, hold_at: int) -> None:
-        self.hold_at = hold_at
-        self.num_calls = 0
-        self.entered = threading.Event()
-        self.released = threading.Event()
-
-    def __call__(self) -> None:
-        self.num_calls += 1
-        if self.num_calls == self.hold_at + 1:
-            self.entered.set()
-            assert self.released.wait(120), "the test never released the step"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -19,6 +19,7 @@ from shared.engine.async_engine import AsyncEngine
 from shared.llm import LLM
 from shared.request import FinishReason, Request
 from shared.sampling_params import SamplingParams
+from tests.step_gate import StepGate
 
 CHUNK = 64
 PROMPT = 640  # 10 chunks
@@ -28,22 +29,6 @@ PROMPT = 640  # 10 chunks
 def llm(model_path):
     return LLM(model_path, kv_cache_memory="64MiB", max_model_len=1024, max_num_seqs=8,
                max_num_batched_tokens=CHUNK)
-
-
-class StepGate:
-    """Holds the engine thread before its step number `hold_at` (0-based), until released."""
-
-    def __init__(self, hold_at: int) -> None:
-        self.hold_at = hold_at
-        self.num_calls = 0
-        self.entered = threading.Event()
-        self.released = threading.Event()
-
-    def __call__(self) -> None:
-        self.num_calls += 1
-        if self.num_calls == self.hold_at + 1:
-            self.entered.set()
-            assert self.released.wait(60), "the test never released the step"
 
 
 def _request(request_id: str, n: int, max_tokens: int = 4) -> Request:
