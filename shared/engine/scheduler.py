@@ -29,10 +29,13 @@ from shared.engine.scheduler_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from shared.engine.scheduling_policy import admission_order, check_stop, validate_new_request
 from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from shared.engine.spec_decode.verification import SpecDecodingStats
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.request import Request, RequestStatus
+
+__all__ = ["Scheduler", "check_stop"]
 
 
 class Scheduler:
@@ -78,28 +81,9 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
-        num_prompt = request.num_prompt_tokens
-        max_model_len = self.scheduler_config.max_model_len
-        if num_prompt == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if request.num_computed_tokens >= request.num_tokens:
-            raise ValueError(f"request {request.request_id!r} has nothing left to compute "
-                             f"({request.num_computed_tokens} of {request.num_tokens} tokens)")
-        if num_prompt > max_model_len:
-            raise ValueError(f"prompt length {num_prompt} of request {request.request_id!r} "
-                             f"exceeds max_model_len {max_model_len}")
-        # Generation stops once num_tokens >= max_model_len; the last token needs no KV.
-        max_num_tokens = max(max_model_len, num_prompt + 1)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            max_num_tokens = min(max_num_tokens, num_prompt + max_tokens)
-        block_size = self.kv_cache_manager.block_size
-        num_blocks_needed = -(-(max_num_tokens - 1) // block_size)
-        num_usable = self.kv_cache_manager.block_pool.num_gpu_blocks - 1
-        if num_blocks_needed > num_usable:
-            raise ValueError(f"request {request.request_id!r} may need {num_blocks_needed} KV "
-                             f"blocks ({max_num_tokens - 1} tokens), more than the pool's "
-                             f"{num_usable}; lower max_tokens")
+        kv = self.kv_cache_manager
+        validate_new_request(request, self.scheduler_config.max_model_len, kv.block_size,
+                             kv.block_pool.num_gpu_blocks)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -314,27 +298,8 @@ class Scheduler:
     # -- helpers ----------------------------------------------------------------------------
 
     def _admission_order(self) -> list[Request]:
-        """The waiting requests in the order `schedule()` tries to admit them.
-
-        Preempted requests first (they sit at the queue's front), then, under "sjf", those
-        waiting longer than `max_wait_s` in arrival order, then the rest by tokens left to
-        compute (ties in arrival order). Source: shortest-job-first minimises mean waiting
-        time (Smith's rule; Schrage 1968 for its preemptive form, SRPT); LLM servers apply it
-        to prompt length (e.g. Fu et al. 2024, "Efficient LLM Scheduling by Learning to
-        Rank"); the wait bound is plain aging.
-        """
-        waiting = self.waiting
-        config = self.scheduler_config
-        if config.scheduling_policy == "fcfs" or len(waiting) < 2:
-            return list(waiting)
-        resumed = [r for r in waiting if r.status == RequestStatus.PREEMPTED]
-        fresh = [r for r in waiting if r.status != RequestStatus.PREEMPTED]
-        deadline = time.monotonic() - config.max_wait_s
-        overdue = sorted((r for r in fresh if r.arrival_time <= deadline),
-                         key=lambda r: r.arrival_time)
-        rest = [r for r in fresh if r.arrival_time > deadline]
-        rest.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)  # stable: ties FCFS
-        return resumed + overdue + rest
+        """The waiting requests in admission order (`scheduling_policy.admission_order`)."""
+        return admission_order(self.waiting, self.scheduler_config)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int,
                         token_budget: int) -> int:
@@ -372,26 +337,3 @@ class Scheduler:
         if not self.hold_finished_blocks:
             self.kv_cache_manager.free(request)
 
-
-def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
-    """Whether `request` is done after its last output token: (status, stop_reason).
-
-    EOS (unless ignore_eos) and stop_token_ids count only once num_output_tokens >=
-    min_tokens, and take precedence over the length limits, as does the end of a guided
-    request's grammar. stop_reason is the stop_token_ids entry hit; None for EOS (and a
-    grammar's end), as in vLLM.
-    """
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and last == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED, None
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, last
-    if request.structured_output is not None and request.structured_output.is_terminated:
-        return RequestStatus.FINISHED_STOPPED, None  # the grammar is done
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH_CAPPED, None
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH_CAPPED, None
-    return None, None

@@ -1,0 +1,93 @@
+"""Scheduling policy, the scheduler's pure parts: who may enter, in what order, when to stop.
+
+    validate_new_request(request, ...)   add_request's checks (ValueError naming the cause)
+    admission_order(waiting, config)     the order schedule() tries to admit waiting requests
+    check_stop(request, max_model_len)   whether a request is done after its last token
+
+None of these touch the KV cache or the scheduler's queues; `Scheduler` calls them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from shared.config import SchedulerConfig
+from shared.request import Request, RequestStatus
+
+
+def validate_new_request(request: Request, max_model_len: int, block_size: int,
+                         num_gpu_blocks: int) -> None:
+    """Raise ValueError when `request` cannot be scheduled.
+
+    Causes: an empty prompt, no token left to compute, a prompt longer than max_model_len,
+    or a request whose longest possible sequence cannot fit in the whole KV pool of
+    `num_gpu_blocks` blocks (block 0 is the null block) - it could never finish.
+    """
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+        raise ValueError(f"request {request.request_id!r} has an empty prompt")
+    if request.num_computed_tokens >= request.num_tokens:
+        raise ValueError(f"request {request.request_id!r} has nothing left to compute "
+                         f"({request.num_computed_tokens} of {request.num_tokens} tokens)")
+    if num_prompt > max_model_len:
+        raise ValueError(f"prompt length {num_prompt} of request {request.request_id!r} "
+                         f"exceeds max_model_len {max_model_len}")
+    # Generation stops once num_tokens >= max_model_len; the last token needs no KV.
+    max_num_tokens = max(max_model_len, num_prompt + 1)
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        max_num_tokens = min(max_num_tokens, num_prompt + max_tokens)
+    num_blocks_needed = -(-(max_num_tokens - 1) // block_size)
+    num_usable = num_gpu_blocks - 1
+    if num_blocks_needed > num_usable:
+        raise ValueError(f"request {request.request_id!r} may need {num_blocks_needed} KV "
+                         f"blocks ({max_num_tokens - 1} tokens), more than the pool's "
+                         f"{num_usable}; lower max_tokens")
+
+
+def admission_order(waiting: Iterable[Request], config: SchedulerConfig) -> list[Request]:
+    """The waiting requests in the order `Scheduler.schedule()` tries to admit them.
+
+    Preempted requests first (they sit at the queue's front), then, under "sjf", those
+    waiting longer than `max_wait_s` in arrival order, then the rest by tokens left to
+    compute (ties in arrival order). Source: shortest-job-first minimises mean waiting
+    time (Smith's rule; Schrage 1968 for its preemptive form, SRPT); LLM servers apply it
+    to prompt length (e.g. Fu et al. 2024, "Efficient LLM Scheduling by Learning to
+    Rank"); the wait bound is plain aging.
+    """
+    waiting = list(waiting)
+    if config.scheduling_policy == "fcfs" or len(waiting) < 2:
+        return waiting
+    resumed = [r for r in waiting if r.status == RequestStatus.PREEMPTED]
+    fresh = [r for r in waiting if r.status != RequestStatus.PREEMPTED]
+    deadline = time.monotonic() - config.max_wait_s
+    overdue = sorted((r for r in fresh if r.arrival_time <= deadline),
+                     key=lambda r: r.arrival_time)
+    rest = [r for r in fresh if r.arrival_time > deadline]
+    rest.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)  # stable: ties FCFS
+    return resumed + overdue + rest
+
+
+def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
+    """Whether `request` is done after its last output token: (status, stop_reason).
+
+    EOS (unless ignore_eos) and stop_token_ids count only once num_output_tokens >=
+    min_tokens, and take precedence over the length limits, as does the end of a guided
+    request's grammar. stop_reason is the stop_token_ids entry hit; None for EOS (and a
+    grammar's end), as in vLLM.
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED, None
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, last
+    if request.structured_output is not None and request.structured_output.is_terminated:
+        return RequestStatus.FINISHED_STOPPED, None  # the grammar is done
+    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    return None, None
