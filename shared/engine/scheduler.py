@@ -17,19 +17,22 @@ request is dropped. Its freed blocks are only reused by the next schedule().)
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 
 from shared.config import SchedulerConfig
-from shared.engine.core_share import NO_PREFILL
 from shared.engine.scheduler_output import (
     RequestOutputDelta,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
-from shared.engine.scheduling_policy import admission_order, check_stop, validate_new_request
+from shared.engine.scheduling_policy import (
+    admission_order,
+    check_stop,
+    prefill_urgency,
+    validate_new_request,
+)
 from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from shared.engine.spec_decode.verification import SpecDecodingStats
 from shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -59,6 +62,10 @@ class Scheduler:
         `_admission_order()` says who is admitted first."""
         self.running: list[Request] = []
         """RUNNING requests in admission order; preemption takes from the end (newest)."""
+        self.paused: dict[str, Request] = {}
+        """Paused requests (`pause_requests`), in pause order: never scheduled, out of both
+        queues, not counted against max_num_seqs; they keep their blocks until preempted."""
+        self._paused_preempted_ids: list[str] = []
         self.num_preemptions = 0
         """Total preemptions since start-up."""
         self._finished_req_ids: list[str] = []
@@ -102,6 +109,7 @@ class Scheduler:
             if request is None:
                 continue
             request.status = RequestStatus.FINISHED_ABORTED
+            self.paused.pop(request_id, None)
             self.kv_cache_manager.free(request)
             self._finished_req_ids.append(request_id)
             aborted.append(request)
@@ -111,7 +119,64 @@ class Scheduler:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a step could make progress: an unfinished request that is not paused."""
+        return len(self.requests) > len(self.paused)
+
+    # -- pause and resume (engine-side backpressure for clients that read slowly) ----------
+
+    def pause_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Stop scheduling the given unfinished requests; returns the ids newly paused.
+
+        A paused request keeps its blocks, tokens and num_computed_tokens; it leaves the
+        running list and the waiting queue, so it counts against neither max_num_seqs nor
+        the waiting bound. Idempotent: unknown, finished or already paused ids are ignored.
+        """
+        paused = []
+        for request_id in request_ids:
+            if request_id in self.requests and request_id not in self.paused:
+                self.paused[request_id] = self.requests[request_id]
+                paused.append(request_id)
+        if paused:
+            self.running = [r for r in self.running if r.request_id not in self.paused]
+            self.waiting = deque(r for r in self.waiting if r.request_id not in self.paused)
+        return paused
+
+    def resume_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Schedule paused requests again; returns the ids resumed (others are ignored).
+
+        One paused while running (or preempted while paused) goes to the front of the
+        waiting queue and is admitted again, ahead of new requests, with the blocks it kept
+        (or recomputed, if preempted); one paused before admission goes to the back.
+        """
+        resumed = []
+        for request_id in request_ids:
+            request = self.paused.pop(request_id, None)
+            if request is None:
+                continue
+            resumed.append(request_id)
+            if request.status == RequestStatus.WAITING:
+                self.waiting.append(request)
+                continue
+            if request.status == RequestStatus.RUNNING:
+                request.status = RequestStatus.WAITING  # holds its blocks: admitted at once
+            self.waiting.appendleft(request)
+        return resumed
+
+    def preempt_paused(self) -> bool:
+        """Free the blocks of the longest-paused request holding any (recompute on resume).
+        Returns False when no paused request holds blocks. Its id is reported in the next
+        `SchedulerOutput.preempted_request_ids`."""
+        kv = self.kv_cache_manager
+        for request in self.paused.values():
+            if request.status != RequestStatus.PREEMPTED and kv.get_block_ids(request.request_id):
+                kv.free(request)
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                request.num_preemptions += 1
+                self.num_preemptions += 1
+                self._paused_preempted_ids.append(request.request_id)
+                return True
+        return False
 
     @property
     def num_running(self) -> int:
@@ -122,32 +187,14 @@ class Scheduler:
         return len(self.waiting)
 
     def prefill_urgency(self) -> tuple[int, bool]:
-        """(prompt tokens left of this engine's next prefill, whether decodes are running),
-        for the host's core share (`shared/engine/core_share.py`).
-
-        The next prefill is the shortest one left among waiting requests and running ones
-        still in their prompt; a preempted request, or one waiting past `max_wait_s`,
-        counts 0 (most urgent). NO_PREFILL when no prompt is left to compute.
-        """
-        deadline = time.monotonic() - self.scheduler_config.max_wait_s
-        best = NO_PREFILL
-        for r in self.waiting:
-            if r.status == RequestStatus.PREEMPTED or r.arrival_time <= deadline:
-                best = 0
-                break
-            best = min(best, r.num_tokens - r.num_computed_tokens)
-        has_decodes = False
-        for r in self.running:
-            if r.num_computed_tokens >= r.num_prompt_tokens:
-                has_decodes = True
-            else:
-                best = min(best, r.num_prompt_tokens - r.num_computed_tokens)
-        return best, has_decodes
+        """`scheduling_policy.prefill_urgency` of this scheduler's queues (core share)."""
+        return prefill_urgency(self.waiting, self.running, self.scheduler_config)
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.stats
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
+            num_paused=len(self.paused),
             kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
             prefix_cache_requests=prefix.requests, prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits)
@@ -191,6 +238,8 @@ class Scheduler:
                 if num_spec:  # drop the drafts before preempting anyone
                     num_spec = 0
                     continue
+                if self.preempt_paused():  # idle KV goes first
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted_ids.append(victim.request_id)
@@ -216,7 +265,11 @@ class Scheduler:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens + num_hit_tokens, token_budget)
-            if kv.allocate_slots(request, num_new_tokens, hits, num_hit_tokens) is None:
+            while (new_blocks := kv.allocate_slots(request, num_new_tokens, hits,
+                                                   num_hit_tokens)) is None:
+                if not self.preempt_paused():
+                    break
+            if new_blocks is None:
                 break  # nobody overtakes the head of the admission order
             admitted.append(request)
             request.num_computed_tokens += num_hit_tokens
@@ -242,7 +295,7 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             total_num_scheduled_tokens=config.max_num_batched_tokens - token_budget,
-            preempted_request_ids=preempted_ids,
+            preempted_request_ids=preempted_ids + self._take_paused_preempted_ids(),
             finished_request_ids=finished_ids,
         )
 
@@ -331,8 +384,13 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _take_paused_preempted_ids(self) -> list[str]:
+        ids, self._paused_preempted_ids = self._paused_preempted_ids, []
+        return ids
+
     def _finish(self, request: Request) -> None:
         del self.requests[request.request_id]
+        self.paused.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
         if not self.hold_finished_blocks:
             self.kv_cache_manager.free(request)

@@ -70,3 +70,5 @@ class SchedulerStats(NamedTuple):
     """Tokens looked up in the prefix cache, one count per admission."""
     prefix_cache_hits: int
     """Tokens found there."""
+    num_paused: int = 0
+    """Requests paused by backpressure (`Scheduler.pause_requests`)."""

@@ -3,6 +3,7 @@
     validate_new_request(request, ...)   add_request's checks (ValueError naming the cause)
     admission_order(waiting, config)     the order schedule() tries to admit waiting requests
     check_stop(request, max_model_len)   whether a request is done after its last token
+    prefill_urgency(waiting, running, config)   the next prefill's size, for the core share
 
 None of these touch the KV cache or the scheduler's queues; `Scheduler` calls them.
 """
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterable
 
 from shared.config import SchedulerConfig
+from shared.engine.core_share import NO_PREFILL
 from shared.request import Request, RequestStatus
 
 
@@ -91,3 +93,29 @@ def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | No
     if request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
     return None, None
+
+
+def prefill_urgency(waiting: Iterable[Request], running: Iterable[Request],
+                    config: SchedulerConfig) -> tuple[int, bool]:
+    """(prompt tokens left of this engine's next prefill, whether decodes are running),
+    for the host's core share (`shared/engine/core_share.py`).
+
+    The next prefill is the shortest one left among waiting requests and running ones
+    still in their prompt; a preempted request, or one waiting past `max_wait_s`,
+    counts 0 (most urgent). NO_PREFILL when no prompt is left to compute. Paused requests
+    are in neither list: they wait for their client, not for the cores.
+    """
+    deadline = time.monotonic() - config.max_wait_s
+    best = NO_PREFILL
+    for r in waiting:
+        if r.status == RequestStatus.PREEMPTED or r.arrival_time <= deadline:
+            best = 0
+            break
+        best = min(best, r.num_tokens - r.num_computed_tokens)
+    has_decodes = False
+    for r in running:
+        if r.num_computed_tokens >= r.num_prompt_tokens:
+            has_decodes = True
+        else:
+            best = min(best, r.num_prompt_tokens - r.num_computed_tokens)
+    return best, has_decodes
