@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused, cpu_int8, cpu_linear
+from kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
 from shared.models.rotary import RotaryEmbedding, RotaryInputs, rope_theta_from_config
 
 
@@ -79,12 +79,18 @@ class Linear(nn.Linear):
     weight)."""
 
     packed: torch.Tensor | None = None
+    gemv: cpu_gemv.GemvWeight | None = None
+    """The weight (and bias) packed for `kernels.cpu_gemv`, which runs inputs of 1-4 rows."""
     int8_weight: cpu_int8.Int8Weight | None = None
     """The weight (and bias) in int8; set, `weight` is None."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_weight is not None:
             return cpu_int8.linear(x, self.int8_weight)
+        if self.gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS:
+            out = cpu_gemv.linear(x, self.gemv)
+            if out is not None:
+                return out
         if self.packed is not None:
             return cpu_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -231,6 +237,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_gemv: cpu_gemv.GemvWeight | None = None
         """The LM head weight prepacked for oneDNN (`set_packed_linear`); None: F.linear."""
         self.lm_head_int8: cpu_int8.Int8Weight | None = None
         """The LM head in int8 (`quantize_int8`); set, it wins over the others."""
@@ -267,16 +274,21 @@ class LlamaForCausalLM(nn.Module):
     def set_packed_linear(self, enabled: bool) -> None:
         """Choose, once after the weights are loaded, whether every linear layer and the LM
         head run from oneDNN-prepacked weights (`kernels.cpu_linear`: 1.4-2.3x faster GEMMs
-        on CPU, fp32 rounding differences only). Needs fp32 CPU weights and a torch with
-        oneDNN; otherwise F.linear stays. Costs one more copy of the weights in memory."""
+        on CPU, fp32 rounding differences only), and inputs of 1-4 rows from the GEMV
+        kernel's panels (`kernels.cpu_gemv`, unless PDSERVE_CPU_GEMV=0 or it cannot be built
+        here). Needs fp32 CPU weights and a torch with oneDNN; otherwise F.linear stays.
+        Costs one more copy of the weights in memory (two with the GEMV panels)."""
         weight = self.embed_tokens.weight
         enabled = (enabled and weight.device.type == "cpu" and weight.dtype == torch.float32
                    and cpu_linear.is_available())
+        gemv = enabled and cpu_gemv.is_enabled() and cpu_gemv.load_kernel() is not None
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packed = cpu_linear.pack_weight(module.weight) if enabled else None
+                module.gemv = cpu_gemv.pack_weight(module.weight, module.bias) if gemv else None
         head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         self.lm_head_packed = cpu_linear.pack_weight(head) if enabled else None
+        self.lm_head_gemv = cpu_gemv.pack_weight(head) if gemv else None
 
     def quantize_int8(self) -> None:
         """Replace, once after the weights are loaded, the fp32 weights of every linear layer,
@@ -296,11 +308,13 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.int8_weight = cpu_int8.quantize_linear(module.weight, module.bias)
                 module.packed = None
+                module.gemv = None
                 module.weight = None
                 module.bias = None  # held by int8_weight
         head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         self.lm_head_int8 = cpu_int8.quantize_linear(head)
         self.lm_head_packed = None
+        self.lm_head_gemv = None
         embedding = self.lm_head_int8
         if self.lm_head_weight is not None:
             self.lm_head_weight = None
@@ -316,8 +330,8 @@ class LlamaForCausalLM(nn.Module):
         tensors = [*self.parameters(), *self.buffers()]
         for module in self.modules():
             if isinstance(module, Linear):
-                tensors += [module.packed, *(module.int8_weight or ())]
-        tensors += [self.lm_head_packed, *(self.lm_head_int8 or ())]
+                tensors += [module.packed, *(module.int8_weight or ()), *(module.gemv or ())]
+        tensors += [self.lm_head_packed, *(self.lm_head_int8 or ()), *(self.lm_head_gemv or ())]
         if isinstance(self.embed_tokens, Int8Embedding):
             tensors += list(self.embed_tokens.int8_weight)
         seen: set[int] = set()
@@ -350,6 +364,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         if self.lm_head_int8 is not None:
             return cpu_int8.linear(hidden, self.lm_head_int8)
+        if self.lm_head_gemv is not None and hidden.shape[0] <= cpu_gemv.MAX_ROWS:
+            logits = cpu_gemv.linear(hidden, self.lm_head_gemv)
+            if logits is not None:
+                return logits
         if self.lm_head_packed is not None:
             return cpu_linear.linear(hidden, self.lm_head_packed).float()
         weight = (self.embed_tokens.weight if self.lm_head_weight is None

@@ -1,0 +1,142 @@
+"""fp32 linear layers for 1-4 rows on CPU (`csrc/f32_gemv_cpu.c`): a decode step of a few
+streams, which is bound by reading the weights.
+
+    w = pack_weight(layer.weight, layer.bias)      # once, after loading: GemvWeight
+    y = linear(x, w)                               # x [M, K] fp32, 1 <= M <= MAX_ROWS
+
+A matmul of M rows reads each 4-byte weight once for 2*M flops, so at M <= 4 its time is the
+weight read. oneDNN's prepacked kernels (`kernels/cpu_linear.py`) read the model's 538 MB of
+weights per step at about 20 GB/s on this project's 2-core AVX-512 machines, against the
+27-29 GB/s the memory gives. This kernel packs each weight once into K-major panels of
+output channels (`GemvWeight.wpacked`), so each OpenMP thread streams whole panels front to
+back with software prefetch ahead of the loads; every output is one fp32 FMA chain over k
+in order, so a row's result does not depend on the other rows (M = 1..4 give the same row).
+Results differ from `F.linear` and oneDNN by fp32 rounding only (another summation order).
+Source: the layout is llama.cpp's / ggml's "repacked" CPU weights idea applied to fp32; the
+bandwidth argument is the roofline model (Williams et al., 2009).
+
+Set PDSERVE_CPU_GEMV=0 to keep oneDNN for every M. Without a C compiler or AVX-512
+`load_kernel` returns None and callers keep oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from kernels.cpu_build import build_library, find_compiler
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "f32_gemv_cpu.c"
+PANEL = 64
+"""Output channels per K-major panel (256 bytes of weights per k step)."""
+PREFETCH_AHEAD = 2048
+"""Bytes ahead of the current k step that the kernel prefetches."""
+MAX_ROWS = 4
+"""The most rows `linear` takes; larger inputs go to oneDNN (`kernels/cpu_linear.py`)."""
+# (compile flags, link flags), tried in order. Never -ffast-math (see cpu_build.py).
+_DEFINES = (f"-DPANEL={PANEL}", f"-DPREFETCH_AHEAD={PREFETCH_AHEAD}")
+FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
+
+
+class GemvWeight(NamedTuple):
+    """A linear layer's fp32 weight packed for the kernel:
+
+        wpacked[p, k, c] = W[PANEL * p + c, k]      (rows past N are zeros)
+    """
+
+    wpacked: torch.Tensor
+    """[ceil(N / PANEL), K, PANEL] float32, contiguous."""
+    bias: torch.Tensor | None
+    """[PANEL * ceil(N / PANEL)] float32, or None for a layer without bias."""
+    out_features: int
+    """N."""
+
+
+def is_enabled() -> bool:
+    """PDSERVE_CPU_GEMV is not "0" (the switch for A/B runs and debugging)."""
+    return os.environ.get("PDSERVE_CPU_GEMV", "1") != "0"
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+@functools.cache
+def load_kernel():
+    """Compiles and loads `csrc/f32_gemv_cpu.c`; None without a compiler or AVX-512 (the
+    portable C loop is slower than oneDNN, so it is not used)."""
+    compiler = find_compiler()
+    if compiler is None or not _has_avx512():
+        return None
+    with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
+        library = build_library(compiler, SOURCE, _DEFINES, FLAG_SETS, Path(build_dir))
+        if library is None:
+            logger.warning("could not compile %s; fp32 GEMVs stay on oneDNN", SOURCE)
+            return None
+        lib = ctypes.CDLL(str(library))  # dlopen maps the file: the directory may go
+    if lib.f32_gemv_panel() != PANEL:
+        return None
+    fn = lib.f32_gemv
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> GemvWeight:
+    """weight [N, K] fp32 CPU (bias [N]) -> GemvWeight (a copy: about N*K*4 bytes).
+
+    Raises:
+        ValueError: not a 2-D fp32 CPU weight.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_weight needs a 2-D float32 CPU weight, got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    n_pad = -(-n // PANEL) * PANEL
+    padded = torch.zeros(n_pad, k)
+    padded[:n] = weight.detach()
+    wpacked = padded.view(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    bias_pad = None
+    if bias is not None:
+        bias_pad = torch.zeros(n_pad)
+        bias_pad[:n] = bias.detach().float()
+    return GemvWeight(wpacked, bias_pad, n)
+
+
+def unpack_weight(w: GemvWeight) -> torch.Tensor:
+    """GemvWeight -> the weight [N, K] float32 it was packed from."""
+    num_panels, k, _ = w.wpacked.shape
+    return w.wpacked.transpose(1, 2).reshape(num_panels * PANEL, k)[:w.out_features]
+
+
+def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
+    """x [M, K] float32 CPU, 1 <= M <= MAX_ROWS -> x @ W.T + bias, [M, N] float32; None when
+    the kernel does not take this input (another M or dtype, no kernel here)."""
+    num_rows, k = x.shape
+    if not 1 <= num_rows <= MAX_ROWS or x.dtype != torch.float32:
+        return None
+    kernel = load_kernel()
+    if kernel is None:
+        return None
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(num_rows, w.out_features, dtype=torch.float32)
+    bias_ptr = w.bias.data_ptr() if w.bias is not None else None
+    if kernel(x.data_ptr(), x.stride(0), w.wpacked.data_ptr(), bias_ptr, out.data_ptr(),
+              num_rows, w.out_features, k, torch.get_num_threads()) != 0:
+        return None
+    return out
