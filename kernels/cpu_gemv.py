@@ -1,16 +1,19 @@
-"""fp32 linear layers for 1-4 rows on CPU (`csrc/f32_gemv_cpu.c`): a decode step of a few
+"""fp32 linear layers for 1-8 rows on CPU (`csrc/f32_gemv_cpu.c`): a decode step of a few
 streams, which is bound by reading the weights.
 
     w = pack_weight(layer.weight, layer.bias)      # once, after loading: GemvWeight
     y = linear(x, w)                               # x [M, K] fp32, 1 <= M <= MAX_ROWS
 
-A matmul of M rows reads each 4-byte weight once for 2*M flops, so at M <= 4 its time is the
+A matmul of M rows reads each 4-byte weight once for 2*M flops, so at small M its time is the
 weight read. oneDNN's prepacked kernels (`kernels/cpu_linear.py`) read the model's 538 MB of
 weights per step at about 20 GB/s on this project's 2-core AVX-512 machines, against the
 27-29 GB/s the memory gives. This kernel packs each weight once into K-major panels of
 output channels (`GemvWeight.wpacked`), so each OpenMP thread streams whole panels front to
 back with software prefetch ahead of the loads; every output is one fp32 FMA chain over k
-in order, so a row's result does not depend on the other rows (M = 1..4 give the same row).
+in order, so a row's result does not depend on the other rows (M = 1..8 give the same row).
+Rows run in tiles of 4; a panel read again by the next tile comes from L2. Past 8 rows
+oneDNN's blocked GEMM is as fast (a loaded-machine micro-timing of the model's matmuls,
+1 thread: this kernel / oneDNN 0.60 at M=1, 0.58 at M=4, 0.70 at M=8, 1.06 at M=16).
 Results differ from `F.linear` and oneDNN by fp32 rounding only (another summation order).
 Source: the layout is llama.cpp's / ggml's "repacked" CPU weights idea applied to fp32; the
 bandwidth argument is the roofline model (Williams et al., 2009).
@@ -40,10 +43,10 @@ PANEL = 64
 """Output channels per K-major panel (256 bytes of weights per k step)."""
 PREFETCH_AHEAD = 2048
 """Bytes ahead of the current k step that the kernel prefetches."""
-MAX_ROWS = 4
+MAX_ROWS = 8
 """The most rows `linear` takes; larger inputs go to oneDNN (`kernels/cpu_linear.py`)."""
 # (compile flags, link flags), tried in order. Never -ffast-math (see cpu_build.py).
-_DEFINES = (f"-DPANEL={PANEL}", f"-DPREFETCH_AHEAD={PREFETCH_AHEAD}")
+_DEFINES = (f"-DPANEL={PANEL}", f"-DPREFETCH_AHEAD={PREFETCH_AHEAD}", f"-DMAX_ROWS={MAX_ROWS}")
 FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
 
 

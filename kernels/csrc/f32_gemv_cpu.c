@@ -1,5 +1,5 @@
-/* fp32 linear for a few rows on CPU (a decode step of 1-4 streams):
- * y[M, N] = x[M, K] . W^T + bias[N], M <= 4.
+/* fp32 linear for a few rows on CPU (a decode step of 1-8 streams):
+ * y[M, N] = x[M, K] . W^T + bias[N], M <= MAX_ROWS (8 as built by kernels/cpu_gemv.py).
  *
  * Such a matmul reads every weight once and does 2*M flops per 4-byte weight, so it is bound
  * by memory bandwidth. The weight is packed once at load (`kernels/cpu_gemv.py`) into K-major
@@ -21,7 +21,10 @@
 #ifndef PANEL
 #define PANEL 32
 #endif
-#define MAX_ROWS 4
+#ifndef MAX_ROWS
+#define MAX_ROWS 16
+#endif
+#define TILE_ROWS 4
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 1024
 #endif
@@ -31,11 +34,11 @@
 
 #define VECS (PANEL / 16)
 
-/* mb (<= 4) rows against one panel [K][PANEL]. */
+/* mb (<= TILE_ROWS) rows against one panel [K][PANEL]. */
 static inline __attribute__((always_inline)) void panel_rows(
         const float *x, int64_t x_stride, const int mb, const float *w, int64_t K,
         const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid) {
-    __m512 acc[MAX_ROWS][VECS];
+    __m512 acc[TILE_ROWS][VECS];
     for (int i = 0; i < mb; i++)
         for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -69,11 +72,16 @@ static inline __attribute__((always_inline)) void panel_rows(
 static void run_panel(const float *x, int64_t x_stride, int64_t M, const float *w,
                       const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid,
                       int64_t K) {
-    switch (M) {
-        case 4: panel_rows(x, x_stride, 4, w, K, b, y, N, n0, n_valid); break;
-        case 3: panel_rows(x, x_stride, 3, w, K, b, y, N, n0, n_valid); break;
-        case 2: panel_rows(x, x_stride, 2, w, K, b, y, N, n0, n_valid); break;
-        default: panel_rows(x, x_stride, 1, w, K, b, y, N, n0, n_valid); break;
+    /* Tiles of 4 rows; a panel read again by the next tile comes from L2. */
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const float *xm = x + m0 * x_stride;
+        float *ym = y + m0 * N;
+        switch (M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS) {
+            case 4: panel_rows(xm, x_stride, 4, w, K, b, ym, N, n0, n_valid); break;
+            case 3: panel_rows(xm, x_stride, 3, w, K, b, ym, N, n0, n_valid); break;
+            case 2: panel_rows(xm, x_stride, 2, w, K, b, ym, N, n0, n_valid); break;
+            default: panel_rows(xm, x_stride, 1, w, K, b, ym, N, n0, n_valid); break;
+        }
     }
 }
 #else
@@ -96,7 +104,7 @@ int f32_gemv_panel(void) { return PANEL; }
 
 /* y [M, N] (row stride N) = x [M, K] (row stride x_stride) . W^T + bias. wpacked:
  * ceil(N / PANEL) panels [K][PANEL] fp32; bias: NULL or N_pad = PANEL * ceil(N / PANEL)
- * floats. Returns 0, or -1 when M is outside 1..4. */
+ * floats. Returns 0, or -1 when M is outside 1..MAX_ROWS. */
 int f32_gemv(const float *x, int64_t x_stride, const float *wpacked, const float *bias,
              float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || M > MAX_ROWS) return -1;

@@ -80,7 +80,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     gemv: cpu_gemv.GemvWeight | None = None
-    """The weight (and bias) packed for `kernels.cpu_gemv`, which runs inputs of 1-4 rows."""
+    """The weight (and bias) packed for `kernels.cpu_gemv`, which runs inputs of 1-8 rows."""
     int8_weight: cpu_int8.Int8Weight | None = None
     """The weight (and bias) in int8; set, `weight` is None."""
 
@@ -274,7 +274,7 @@ class LlamaForCausalLM(nn.Module):
     def set_packed_linear(self, enabled: bool) -> None:
         """Choose, once after the weights are loaded, whether every linear layer and the LM
         head run from oneDNN-prepacked weights (`kernels.cpu_linear`: 1.4-2.3x faster GEMMs
-        on CPU, fp32 rounding differences only), and inputs of 1-4 rows from the GEMV
+        on CPU, fp32 rounding differences only), and inputs of 1-8 rows from the GEMV
         kernel's panels (`kernels.cpu_gemv`, unless PDSERVE_CPU_GEMV=0 or it cannot be built
         here). Needs fp32 CPU weights and a torch with oneDNN; otherwise F.linear stays.
         Costs one more copy of the weights in memory (two with the GEMV panels)."""

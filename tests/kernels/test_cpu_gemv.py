@@ -1,4 +1,4 @@
-"""The fp32 GEMV kernel for decode steps of 1-4 rows (kernels/cpu_gemv.py) against F.linear."""
+"""The fp32 GEMV kernel for decode steps of 1-8 rows (kernels/cpu_gemv.py) against F.linear."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(cpu_gemv.load_kernel() is None,
                                        "is not built and oneDNN runs every M")
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 8])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(m, with_bias):
     # N = 100 is not a multiple of the panel: the last panel is partly padding.
@@ -29,11 +29,11 @@ def test_matches_f_linear(m, with_bias):
 def test_a_row_is_the_same_whatever_the_other_rows():
     g = torch.Generator().manual_seed(0)
     w = cpu_gemv.pack_weight(torch.randn(3072, 576, generator=g))
-    x = torch.randn(4, 576, generator=g)
+    x = torch.randn(cpu_gemv.MAX_ROWS, 576, generator=g)
     full = cpu_gemv.linear(x, w)
-    for m in (1, 2, 3):
+    for m in range(1, cpu_gemv.MAX_ROWS):
         assert torch.equal(cpu_gemv.linear(x[:m].clone(), w), full[:m])
-    assert torch.equal(cpu_gemv.linear(x[3:4].clone(), w)[0], full[3])
+    assert torch.equal(cpu_gemv.linear(x[5:6].clone(), w)[0], full[5])
 
 
 def test_strided_rows_and_what_it_does_not_take():
@@ -45,7 +45,7 @@ def test_strided_rows_and_what_it_does_not_take():
     rows = torch.randn(6, 48, generator=g)[:, 8:40]  # row stride 48
     torch.testing.assert_close(cpu_gemv.linear(rows[:2], w), rows[:2] @ weight.T,
                                rtol=1e-5, atol=1e-5)
-    assert cpu_gemv.linear(torch.randn(5, 32), w) is None  # M > MAX_ROWS: oneDNN's
+    assert cpu_gemv.linear(torch.randn(cpu_gemv.MAX_ROWS + 1, 32), w) is None  # oneDNN's
     assert cpu_gemv.linear(torch.randn(0, 32), w) is None
     assert cpu_gemv.linear(torch.randn(1, 32, dtype=torch.float64), w) is None
     assert torch.equal(cpu_gemv.unpack_weight(w), weight)
