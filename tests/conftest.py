@@ -106,3 +106,12 @@ def hf_greedy_reference(model_path, parity_prompt_ids) -> list[list[int]]:
                                max_new_tokens=NUM_PARITY_TOKENS, pad_token_id=2)
             out.append(y[0, len(ids):].tolist())
     return out
+
+
+@pytest.fixture(scope="session")
+def draft_model_path(model_path, tmp_path_factory) -> str:
+    """A draft model for speculative decoding: the default model cut to its first 2
+    decoder layers (same tokenizer), in a temporary HF directory."""
+    from tests.draft_model import write_truncated_model
+
+    return write_truncated_model(model_path, tmp_path_factory.mktemp("draft_model"), 2)

@@ -23,8 +23,7 @@ from shared.engine.core_share import NO_PREFILL, CoreShare
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
 from shared.engine.spec_decode.config import SpeculativeConfig
-from shared.engine.spec_decode.ngram_proposer import NgramProposer
-from shared.engine.spec_decode.scheduling import propose_drafts
+from shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.request import Request
 from shared.structured_output.backend import XgrammarBackend
@@ -106,7 +105,9 @@ class EngineCore:
         work for nobody (at most the chunk of the step in flight when the abort came)."""
         self.speculative_config = speculative_config
         """Speculative decoding (drafts proposed after each step); None: off."""
-        self.drafter = NgramProposer(speculative_config) if speculative_config else None
+        self.drafter = (make_proposer(speculative_config, model_config, self.model_runner)
+                        if speculative_config else None)
+        """The proposer (n-gram or draft model); None: speculation off."""
         if speculative_config is not None:
             logger.info("speculative decoding: %s", speculative_config)
         logger.info("engine ready: %d KV blocks of %d tokens, max_num_seqs=%d, "
@@ -143,6 +144,8 @@ class EngineCore:
         """Abort now; their blocks go back to the pool at once."""
         aborted = self.scheduler.abort_requests(request_ids)
         self.model_runner.remove_requests([r.request_id for r in aborted])
+        if self.drafter is not None:
+            self.drafter.remove_requests([r.request_id for r in aborted])
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -189,6 +192,8 @@ class EngineCore:
     def step(self) -> list:
         """One scheduling + forward + sampling step; returns the RequestOutputDeltas."""
         scheduler_output = self.scheduler.schedule()
+        if self.drafter is not None and scheduler_output.preempted_request_ids:
+            self.drafter.remove_requests(scheduler_output.preempted_request_ids)
         if not scheduler_output.scheduled:
             return []
         try:
@@ -207,6 +212,8 @@ class EngineCore:
         finished = [d.request_id for d in deltas if d.finished]
         if finished:
             self.model_runner.remove_requests(finished)
+            if self.drafter is not None:
+                self.drafter.remove_requests(finished)
         return deltas
 
 

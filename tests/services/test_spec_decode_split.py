@@ -1,6 +1,7 @@
-"""N-gram speculation on the decode service, across the split: greedy outputs equal the
-single-process engine's without speculation, the decode instance's /metrics registry
-counts drafts (pdserve_spec_decode_*), and no block leaks on either side."""
+"""Speculation on the decode service (n-gram, and a draft model that prefills the prompt
+itself on the decode side), across the split: greedy outputs equal the single-process
+engine's without speculation, the decode instance's /metrics registry counts drafts
+(pdserve_spec_decode_*), and no block leaks on either side (nor in the draft's pool)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_look
                     "prompt_lookup_min": 1, "disable_by_batch_size": 0})
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def spec_cluster(model_path):
-    c = await start_cluster(model_path, None, speculative_config=NGRAM)
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=["ngram", "draft_model"])
+async def spec_cluster(model_path, request):
+    config = NGRAM if request.param == "ngram" else json.dumps(
+        {"model": request.getfixturevalue("draft_model_path"), "num_speculative_tokens": 3,
+         "disable_by_batch_size": 0})
+    c = await start_cluster(model_path, None, speculative_config=config)
     yield c
     await c.close()
 
@@ -50,3 +54,7 @@ async def test_split_with_speculation_matches_engine(spec_cluster, reference_llm
     assert registry.get_sample_value("pdserve_spec_decode_num_drafts_total", labels) > 0
     prefill_state, decode_state = await wait_leak_free(spec_cluster)
     assert decode_state.num_used_blocks == 0 and decode_state.invariants_ok
+    draft_kv = getattr(spec_cluster.decode.worker.engine.engine.drafter, "kv", None)
+    if draft_kv is not None:  # the draft model's own pool
+        assert not draft_kv.seqs
+        assert draft_kv.num_free_blocks == draft_kv.block_pool.num_gpu_blocks - 1

@@ -15,8 +15,10 @@ _DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 class SpeculativeConfig:
     """Speculative decoding on the decode role (the prefill role ignores it)."""
 
-    method: Literal["ngram"]
-    """"ngram": prompt lookup, drafts copied from the sequence's own earlier tokens."""
+    method: Literal["ngram", "draft_model"]
+    """"ngram": prompt lookup, drafts copied from the sequence's own earlier tokens;
+    "draft_model": a smaller model with the same tokenizer drafts greedily
+    (`shared/engine/spec_decode/draft_model.py`)."""
     num_speculative_tokens: int
     """k: drafts proposed per step; a request is scored on up to k + 1 tokens a step."""
     prompt_lookup_max: int = _DEFAULT_PROMPT_LOOKUP
@@ -27,6 +29,12 @@ class SpeculativeConfig:
     """Back-off under load: no drafts in a step after which more than this many requests
     run (a busy batch is no longer bound by reading the weights, so verifying drafts costs
     real compute). 0: never back off."""
+    model: str | None = None
+    """"draft_model" only: the draft's `--model` value (an HF directory, a .gguf file or
+    the default model's name)."""
+    draft_kv_cache_memory: int | None = None
+    """"draft_model" only: bytes of the draft's own paged KV pool; None: as many blocks as
+    the target's pool (every running request's draft KV fits)."""
 
     @classmethod
     def from_value(cls, value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -45,15 +53,25 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError("speculative_config: expected a JSON object")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+                 "disable_by_batch_size", "model", "draft_kv_cache_memory"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}; "
                              f"supported: {sorted(known)}")
-        method = value.get("method", "ngram")
-        if method != "ngram":
-            raise ValueError(f"speculative_config.method: only 'ngram' is supported, "
+        model = value.get("model")
+        # vLLM: a config naming a draft model needs no method.
+        method = value.get("method") or ("draft_model" if model is not None else "ngram")
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method: 'ngram' or 'draft_model', "
                              f"got {method!r}")
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError("speculative_config.model: the draft model's path is required "
+                             "with method 'draft_model'")
+        if method == "ngram" and model is not None:
+            raise ValueError("speculative_config.model: only with method 'draft_model'")
+        draft_memory = value.get("draft_kv_cache_memory")
+        if draft_memory is not None:
+            draft_memory = _parse_size(draft_memory)
         k = value.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError("speculative_config.num_speculative_tokens: an integer in "
@@ -73,5 +91,21 @@ class SpeculativeConfig:
         if not isinstance(backoff, int) or isinstance(backoff, bool) or backoff < 0:
             raise ValueError("speculative_config.disable_by_batch_size: an integer >= 0, "
                              f"got {backoff!r}")
-        return cls(method="ngram", num_speculative_tokens=k, prompt_lookup_max=hi,
-                   prompt_lookup_min=lo, disable_by_batch_size=backoff)
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi,
+                   prompt_lookup_min=lo, disable_by_batch_size=backoff, model=model,
+                   draft_kv_cache_memory=draft_memory)
+
+
+def _parse_size(value: Any) -> int:
+    """draft_kv_cache_memory: bytes as an int, or a size such as "256MiB"."""
+    from shared.engine_args import parse_size
+
+    try:
+        size = parse_size(value) if isinstance(value, (int, str)) and \
+            not isinstance(value, bool) else -1
+    except ValueError:
+        size = -1
+    if size <= 0:
+        raise ValueError("speculative_config.draft_kv_cache_memory: a size such as "
+                         f"'256MiB' or a byte count > 0, got {value!r}")
+    return size

@@ -17,6 +17,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from shared.engine.spec_decode.config import SpeculativeConfig
+from shared.request import Request
 
 
 class NgramProposer:
@@ -44,3 +45,11 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the most recent earlier occurrence
                 return tokens[start:start + k].tolist()
         return []
+
+    def propose_requests(self, requests: list[Request], max_num_drafts: list[int]
+                         ) -> list[list[int]]:
+        """`propose` for each request (the batch interface of every proposer)."""
+        return [self.propose(r.all_token_ids, m) for r, m in zip(requests, max_num_drafts)]
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Nothing to free: the n-gram proposer keeps no per-request state."""

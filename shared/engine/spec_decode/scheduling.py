@@ -17,6 +17,7 @@ so a rejected draft never reaches the prefix cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from shared.engine.spec_decode.config import SpeculativeConfig
 from shared.engine.spec_decode.ngram_proposer import NgramProposer
@@ -74,18 +75,50 @@ def append_draft_samples(request: Request, drafts: Sequence[int], entry: tuple,
     return kept, kept_logprobs, status, stop_reason
 
 
-def propose_drafts(proposer: NgramProposer, config: SpeculativeConfig,
+class Proposer(Protocol):
+    """What the engine core asks of a proposer (n-gram, draft model)."""
+
+    def propose_requests(self, requests: list[Request], max_num_drafts: list[int]
+                         ) -> list[list[int]]:
+        """Per request, up to min(k, its max_num_drafts) drafts to follow its tokens."""
+        ...
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Forget finished, aborted or preempted requests (free their draft state)."""
+        ...
+
+
+def make_proposer(config: SpeculativeConfig, model_config, model_runner) -> Proposer:
+    """The proposer `config.method` names; a draft model is loaded beside the target's
+    `model_runner` (its device, dtype, block size and attention backend).
+
+    Raises:
+        ValueError: a draft model whose vocabulary differs from the target's.
+    """
+    if config.method == "draft_model":
+        from shared.engine.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, model_config, model_runner)
+    return NgramProposer(config)
+
+
+def propose_drafts(proposer: Proposer, config: SpeculativeConfig,
                    running: list[Request], max_model_len: int) -> None:
     """Set each running request's `spec_token_ids` for the next step (after a step's
     update). Backs off under load: no drafts while more than `disable_by_batch_size`
     requests run."""
     backoff = config.disable_by_batch_size
     propose = backoff == 0 or len(running) <= backoff
+    requests: list[Request] = []
     for request in running:
         if not propose or request.num_computed_tokens != request.num_tokens - 1 \
                 or not can_speculate(request):
             if request.spec_token_ids:
                 request.spec_token_ids = []
             continue
-        request.spec_token_ids = proposer.propose(
-            request.all_token_ids, max_num_drafts(request, max_model_len))
+        requests.append(request)
+    if not requests:
+        return
+    limits = [max_num_drafts(r, max_model_len) for r in requests]
+    for request, drafts in zip(requests, proposer.propose_requests(requests, limits)):
+        request.spec_token_ids = drafts

@@ -51,7 +51,8 @@ def test_config_parsing_follows_vllm_and_names_bad_keys():
                       ({"method": "ngram"}, "num_speculative_tokens"),
                       ({"num_speculative_tokens": 2, "prompt_lookup_min": 4,
                         "prompt_lookup_max": 2}, "prompt_lookup_min"),
-                      ({"num_speculative_tokens": 2, "model": "x"}, "model"),
+                      ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"},
+                       "model"),
                       ("{not json", "JSON")):
         with pytest.raises(ValueError, match=word):
             SpeculativeConfig.from_value(bad)
