@@ -143,7 +143,9 @@ class EngineArgs:
         g.add_argument("--speculative-config", default=env("speculative_config", None),
                        help='speculative decoding on the decode role, JSON as vLLM: '
                             '{"method": "ngram", "num_speculative_tokens": 3, '
-                            '"prompt_lookup_max": 5, "prompt_lookup_min": 2} '
+                            '"prompt_lookup_max": 5, "prompt_lookup_min": 2} or '
+                            '{"method": "draft_model", "model": DIR, '
+                            '"num_speculative_tokens": 4} '
                             '(default: off; see docs/speculative-decoding.md)')
         g.add_argument("--cpu-cores", default=env("cpu_cores", d.cpu_cores),
                        help="cores to bind to, e.g. 0-1")

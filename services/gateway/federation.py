@@ -40,6 +40,11 @@ VLLM_NAMES: dict[str, str] = {
     "vllm:num_preemptions": "pdserve_num_preemptions",
     "vllm:inter_token_latency_seconds": "pdserve_inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds": "pdserve_inter_token_latency_seconds",
+    "vllm:spec_decode_num_drafts": "pdserve_spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "pdserve_spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "pdserve_spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos":
+        "pdserve_spec_decode_num_accepted_tokens_per_pos",
     # request-level, as clients see them (the gateway's: no double count across the split)
     "vllm:e2e_request_latency_seconds": "pdserve_gateway_e2e_request_latency_seconds",
     "vllm:time_to_first_token_seconds": "pdserve_gateway_time_to_first_token_seconds",

@@ -10,7 +10,9 @@ import json
 
 import pytest
 import pytest_asyncio
+from prometheus_client import generate_latest
 
+from services.gateway.federation import merge, parse_families, vllm_families
 from shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 from tests.services.helpers import greedy, run_split, start_cluster, wait_leak_free
@@ -52,6 +54,11 @@ async def test_split_with_speculation_matches_engine(spec_cluster, reference_llm
                                       {**labels, "position": "0"})
     assert drafts > accepted > 0 and accepted >= first > 0
     assert registry.get_sample_value("pdserve_spec_decode_num_drafts_total", labels) > 0
+    # The gateway's --metrics-compat vllm copies carry vLLM's names.
+    copies = vllm_families(merge(parse_families(generate_latest(registry).decode())), "m")
+    per_pos = {s.labels["position"]: s.value for f in copies for s in f.samples
+               if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_pos["0"] == first
     prefill_state, decode_state = await wait_leak_free(spec_cluster)
     assert decode_state.num_used_blocks == 0 and decode_state.invariants_ok
     draft_kv = getattr(spec_cluster.decode.worker.engine.engine.drafter, "kv", None)
