@@ -39,6 +39,8 @@ class EngineStats(NamedTuple):
     """Holding a block hash (free or in use)."""
     num_used_blocks: int
     """ref_cnt > 0, null block excluded."""
+    num_paused: int = 0
+    """Requests paused by backpressure (SetPaused), in neither num_running nor num_waiting."""
 
 
 class ServiceMetrics:
@@ -58,6 +60,9 @@ class ServiceMetrics:
         self._running = gauge("num_requests_running", "Requests in the running batch.")
         self._waiting = gauge("num_requests_waiting",
                               "Requests waiting: the engine's queue plus KV admissions.")
+        self._paused = gauge("num_requests_paused", "Requests paused by backpressure: their "
+                             "client reads too slowly (SetPaused; not scheduled, KV kept "
+                             "until the pool needs it).")
         self._kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0-1.")
         self._kv_blocks = gauge("kv_blocks", "KV blocks by state: free (in the free queue), "
                                 "cached (hashed), used (ref_cnt > 0), pinned (held for a "
@@ -96,9 +101,10 @@ class ServiceMetrics:
         # Every series without extra labels exists from the start, at 0 (a dashboard's
         # rate() then has a baseline; a family seen only after its first event reads "no
         # data" until then). pdserve_redis_up stays absent without --redis-url.
-        for metric in (self._running, self._waiting, self._kv_usage, self._prefix_queries,
-                       self._prefix_hits, self._preemptions, self._prompt_tokens,
-                       self._generation_tokens, self._after_abort, self._ttft, self._itl,
+        for metric in (self._running, self._waiting, self._paused, self._kv_usage,
+                       self._prefix_queries, self._prefix_hits, self._preemptions,
+                       self._prompt_tokens, self._generation_tokens, self._after_abort,
+                       self._ttft, self._itl,
                        self._e2e, self._blocks_sent, self._bytes_sent, self._blocks_received,
                        self._bytes_received, self._transfer_seconds):
             self._l(metric)
@@ -108,6 +114,7 @@ class ServiceMetrics:
 
     def update_engine(self, s: EngineStats, num_pinned_blocks: int, num_pending: int) -> None:
         self._l(self._running).set(s.num_running)
+        self._l(self._paused).set(s.num_paused)
         self._l(self._waiting).set(s.num_waiting + num_pending)
         self._l(self._kv_usage).set(s.kv_cache_usage)
         for state, value in (("free", s.num_free_blocks), ("cached", s.num_cached_blocks),

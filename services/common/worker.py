@@ -49,6 +49,7 @@ class EngineState(NamedTuple):
     max_model_len: int
     block_size: int
     quantization: str = "none"
+    num_paused: int = 0
 
 
 STATE_WAIT_S = {False: 0.5, True: 2.0}
@@ -65,7 +66,7 @@ def stats_op(engine: EngineCore) -> EngineStats:
         num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
         prefix_cache_hits=s.prefix_cache_hits, num_gpu_blocks=pool.num_gpu_blocks,
         num_free_blocks=num_free, num_cached_blocks=pool.num_cached_blocks,
-        num_used_blocks=pool.num_gpu_blocks - 1 - num_free)
+        num_used_blocks=pool.num_gpu_blocks - 1 - num_free, num_paused=s.num_paused)
 
 
 def check_invariants_op(engine: EngineCore, owned: set[str]) -> tuple[str, list[str]]:
@@ -198,7 +199,8 @@ class EngineWorker:
             num_pinned_blocks=num_pinned_blocks, num_running=stats.num_running,
             num_waiting=stats.num_waiting + num_pending, invariants_ok=not error,
             invariants_error=error, max_model_len=self.max_model_len,
-            block_size=self.block_size, quantization=self.quantization)
+            block_size=self.block_size, quantization=self.quantization,
+            num_paused=stats.num_paused)
 
     def _feed_loop_side(self) -> LoopSide:
         return LoopSide(self.pinned_block_ids(), self.num_pending(), self.request_labels(),

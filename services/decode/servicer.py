@@ -61,5 +61,17 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
             await abort_with(context, e, rid, "Generate")
 
 
+    async def SetPaused(self, request: pb.SetPausedRequest,
+                        context: grpc.aio.ServicerContext) -> pb.SetPausedResponse:
+        ids = list(request.request_ids)
+        try:
+            known = await self._worker().set_paused(ids, request.paused)
+        except Exception as e:
+            await abort_with(context, e, ",".join(ids), "SetPaused")
+        if known:
+            logger.debug("%s %s", "paused" if request.paused else "resumed", ",".join(known))
+        return pb.SetPausedResponse(request_ids=known)
+
+
 def add_decode_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
     engine_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(runtime), server)

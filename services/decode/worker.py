@@ -75,16 +75,17 @@ def reserve_op(engine: EngineCore, request: Request, num_tokens: int,
     """Hold blocks for the first `num_tokens` tokens: cached hits first, fresh blocks after.
 
     Returns (prefix-hit tokens, the request's block ids), or None when the pool cannot
-    hold them now (with `watermark` blocks to spare while other requests run).
+    hold them now (with `watermark` blocks to spare while other requests run), even after
+    freeing the blocks of paused requests (`Scheduler.preempt_paused`: recomputed on resume).
     """
     kv = engine.kv_cache_manager
     hits, num_hit_tokens = kv.get_computed_blocks(request)
     num_computed = max(num_tokens, num_hit_tokens)
     num_new_blocks = -(-num_computed // kv.block_size) - len(hits)
-    num_revived = sum(1 for block in hits if block.ref_cnt == 0)
     spare = watermark if engine.scheduler.has_unfinished_requests() else 0
-    if kv.num_free_blocks - num_new_blocks - num_revived < spare:
-        return None
+    while kv.num_free_blocks - num_new_blocks - sum(1 for b in hits if b.ref_cnt == 0) < spare:
+        if not engine.scheduler.preempt_paused():
+            return None
     if kv.allocate_slots(request, num_computed - num_hit_tokens, hits, num_hit_tokens,
                          delay_cache_blocks=True) is None:
         return None
@@ -344,6 +345,12 @@ class DecodeWorker(EngineWorker):
                     ticket.task.cancel()
         aborted.update(self.engine.request_abort(request_ids))
         return sorted(aborted)
+
+    async def set_paused(self, request_ids: list[str], paused: bool) -> list[str]:
+        """Pause or resume requests in the engine (`AsyncEngine.set_paused`); returns the ids
+        it holds. A request still queued for blocks or in its KV transfer is not there yet:
+        ignored (the gateway asks again while its client stays behind)."""
+        return await self.engine.set_paused(request_ids, paused)
 
     def num_pending(self) -> int:
         return len(self._admission)

@@ -26,7 +26,7 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.app import build_app
-    from services.gateway.backpressure import set_send_buffer
+    from services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
 
     logging.basicConfig(level=str(ns.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -46,7 +46,8 @@ def run(ns: argparse.Namespace) -> int:
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, loop=loop,
         log_level=str(config.log_level).lower(),
-        timeout_graceful_shutdown=config.grace_period + _CANCEL_MARGIN, access_log=False)
+        timeout_graceful_shutdown=config.grace_period + _CANCEL_MARGIN, access_log=False,
+        http=TransportHttpProtocol)  # streams see how far behind their client is
     server = _make_server(uv_config, app.state.gateway.shutdown, config.grace_period)
     sock = uv_config.bind_socket()
     set_send_buffer(sock, config.socket_send_buffer)  # backpressure for slow readers

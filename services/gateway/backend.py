@@ -6,12 +6,17 @@ pings its instance (HTTP/2 keepalive, shared/config.py GRPC_KEEPALIVE_S), so the
 frozen or partitioned instance fail with UNAVAILABLE within seconds (and fail over) instead of
 hanging until `request_timeout`. The channel of an instance that left the registry is
 closed by `forget` once no Prefill or Generate call runs on it.
+
+Each running Generate call is indexed by its HTTP request's engine prefix (engine request ids
+are `<prefix>-<choice>` or `<prefix>-<choice>-retry<k>`), so `set_paused` can reach every
+decode instance serving one stream (engine-side backpressure, backpressure.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -26,6 +31,8 @@ from shared.config import grpc_keepalive_channel_options, grpc_reconnect_options
 from shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
+_ENGINE_ID_RE = re.compile(r"(.+)-\d+(?:-retry\d+)?")
+"""An engine request id: (the HTTP request's engine prefix)-choice[-retry<k>]."""
 
 
 class EngineOutput(NamedTuple):
@@ -68,7 +75,10 @@ class EngineBackend:
         self._active: Counter[str] = Counter()
         """Prefill and Generate calls in flight per address."""
         self.control_calls = ControlCallStats()
-        """Abort / ReleaseKV outcomes and latencies (a Prometheus collector)."""
+        """Abort / ReleaseKV / SetPaused outcomes and latencies (a Prometheus collector)."""
+        self._decode_calls: dict[str, dict[str, str]] = {}
+        """engine prefix -> {engine request id: decode address} of the Generate calls
+        running now."""
 
     def _get(self, address: str) -> _Channel:
         ch = self._channels.get(address)
@@ -103,8 +113,46 @@ class EngineBackend:
         call = self._get(address).decode.Generate(
             request, timeout=self.request_timeout, metadata=self._metadata(request_id))
         self._active[address] += 1
-        call.add_done_callback(lambda _: self._call_done(address))
+        rid = request.request_id
+        m = _ENGINE_ID_RE.fullmatch(rid)
+        prefix = m.group(1) if m else rid
+        self._decode_calls.setdefault(prefix, {})[rid] = address
+
+        def done(_) -> None:
+            self._call_done(address)
+            calls = self._decode_calls.get(prefix)
+            if calls is not None and calls.get(rid) == address:
+                del calls[rid]
+                if not calls:
+                    del self._decode_calls[prefix]
+        call.add_done_callback(done)
         return call
+
+    async def set_paused(self, engine_prefix: str, paused: bool, request_id: str) -> bool:
+        """SetPaused on the decode instances running the engine requests of `engine_prefix`.
+
+        Returns True when an instance held one of them (now paused or resumed); False when
+        none did (not on a decode instance yet, or done) or every call failed (logged,
+        counted in the control-call stats; never raised).
+        """
+        by_address: dict[str, list[str]] = {}
+        for rid, address in self._decode_calls.get(engine_prefix, {}).items():
+            by_address.setdefault(address, []).append(rid)
+        held = False
+        for address, ids in by_address.items():
+            start, code = time.monotonic(), "OK"
+            try:
+                resp = await self._get(address).decode.SetPaused(
+                    engine_pb2.SetPausedRequest(request_ids=ids, paused=paused),
+                    timeout=self.rpc_timeout, metadata=self._metadata(request_id))
+                held = held or bool(resp.request_ids)
+            except grpc.aio.AioRpcError as e:
+                code = e.code().name
+                logger.warning("[%s] SetPaused(%s) on %s failed: %s", request_id, paused,
+                               address, code)
+            finally:
+                self.control_calls.observe("SetPaused", code, time.monotonic() - start)
+        return held
 
     def _call_done(self, address: str) -> None:
         self._active[address] -= 1

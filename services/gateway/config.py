@@ -20,7 +20,8 @@ _POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_bod
 _NON_NEGATIVE = ("max_request_retries", "max_num_queued_requests", "max_queued_tokens",
                  "max_logprobs", "max_stop_strings", "max_stop_string_length",
                  "local_prefill_threshold", "grace_period", "max_stream_backlog",
-                 "socket_send_buffer")
+                 "socket_send_buffer", "stream_pause_bytes", "stream_resume_bytes",
+                 "max_stream_pause_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,14 @@ class GatewayConfig:
     socket_send_buffer: int = 64 << 10
     """SO_SNDBUF of the client connections, bytes (Linux doubles it; 0: the kernel's
     autotuning, up to 4 MiB a connection that does not read)."""
+    stream_pause_bytes: int = 16 << 10
+    """Engine-side backpressure: a stream whose client has this many bytes unacknowledged
+    (gateway backlog + transport + socket send queue) has its engine requests paused on
+    their decode instance (backpressure.py; 0: never pause)."""
+    stream_resume_bytes: int = 4 << 10
+    """A paused stream is resumed once its client is at most this many bytes behind."""
+    max_stream_pause_s: float = 60.0
+    """A stream paused this long is cut (error event) and its requests aborted (0: never)."""
     internal_token: str | None = None
     """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
     # ---- vLLM OpenAI-server compatibility (README "Gateway flags")
@@ -211,6 +220,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--socket-send-buffer", type=int,
                    default=int(_env("socket_send_buffer", 64 << 10)),
                    help="SO_SNDBUF of client connections, bytes (0: the kernel's autotuning)")
+    g.add_argument("--stream-pause-bytes", type=int,
+                   default=int(_env("stream_pause_bytes", 16 << 10)),
+                   help="bytes a client may be behind before its stream's engine requests "
+                        "are paused on the decode instance (0: never pause)")
+    g.add_argument("--stream-resume-bytes", type=int,
+                   default=int(_env("stream_resume_bytes", 4 << 10)),
+                   help="bytes behind at which a paused stream is resumed")
+    g.add_argument("--max-stream-pause-s", type=float,
+                   default=float(_env("max_stream_pause_s", 60.0)),
+                   help="seconds a stream may stay paused before it is cut and its request "
+                        "aborted (0: no limit)")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret the prefill and decode services require")
     g.add_argument("--admin-api-key", action="append", default=None,
@@ -333,6 +353,8 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         max_stop_strings=ns.max_stop_strings, max_stop_string_length=ns.max_stop_string_length,
         internal_token=ns.internal_token or None, grace_period=ns.grace_period,
         max_stream_backlog=ns.max_stream_backlog, socket_send_buffer=ns.socket_send_buffer,
+        stream_pause_bytes=ns.stream_pause_bytes, stream_resume_bytes=ns.stream_resume_bytes,
+        max_stream_pause_s=ns.max_stream_pause_s,
         tokenizer=_tokenizer_dir(ns.tokenizer),
         chat_template=read_chat_template(ns.chat_template),
         allowed_origins=tuple(ns.allowed_origins), allowed_methods=tuple(ns.allowed_methods),

@@ -1,7 +1,8 @@
 """ControlCallStats: outcomes and latencies of the gateway's fire-and-forget control calls.
 
 `Abort` and `ReleaseKV` run in the background (EngineBackend.abort_soon / release_kv_soon):
-nobody waits for them, so a failed one shows only here and in the log. Exposed as
+nobody waits for them, so a failed one shows only here and in the log; so does a failed
+`SetPaused` (engine-side backpressure: the stream stays unpaused, and is asked again). Exposed as
 `pdserve_gateway_control_calls_total{method,code}` (code: OK or the gRPC status name) and
 `pdserve_gateway_control_call_seconds{method}` (a histogram).
 """
@@ -39,13 +40,13 @@ class ControlCallStats:
 
     def collect(self):
         calls = CounterMetricFamily(
-            "pdserve_gateway_control_calls", "Abort and ReleaseKV calls to the engines by "
-            "outcome (OK or the gRPC status).", labels=["method", "code"])
+            "pdserve_gateway_control_calls", "Abort, ReleaseKV and SetPaused calls to the "
+            "engines by outcome (OK or the gRPC status).", labels=["method", "code"])
         for (method, code), n in sorted(self.calls.items()):
             calls.add_metric([method, code], n)
         yield calls
         seconds = HistogramMetricFamily(
-            "pdserve_gateway_control_call_seconds", "Duration of one Abort or ReleaseKV call.",
+            "pdserve_gateway_control_call_seconds", "Duration of one control call.",
             labels=["method"])
         for method, counts in sorted(self._counts.items()):
             cumulative, buckets = 0, []

@@ -31,7 +31,12 @@ class GatewayMetrics:
             ["route"], buckets=_E2E_BUCKETS, registry=r)
         self.streams_cut_slow_client = Counter(
             "pdserve_gateway_streams_cut_slow_client",
-            "Streams cut because their client fell --max-stream-backlog bytes behind.",
+            "Streams cut because their client fell --max-stream-backlog bytes behind, or stayed "
+            "paused longer than --max-stream-pause-s.", registry=r)
+        self.streams_paused = Counter(
+            "pdserve_gateway_streams_paused",
+            "Pauses of a stream's engine requests because its client fell --stream-pause-bytes "
+            "behind (engine-side backpressure; a stream may be paused many times).",
             registry=r)
         self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens",
                                      "Prompt tokens of served requests.", registry=r)

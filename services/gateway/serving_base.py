@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from services.gateway.admission import AdmissionQueue, Grant
-from services.gateway.backpressure import StreamBacklog
+from services.gateway.backpressure import TRANSPORT_KEY, StreamBacklog
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError, bad_request, model_not_found
 from services.gateway.metrics import GatewayMetrics
@@ -306,7 +306,19 @@ class OpenAIServing:
             request.state.cut_slow_client = True
             self.metrics.streams_cut_slow_client.inc()
 
-        backlog = StreamBacklog(events(), self.config.max_stream_backlog, on_cut)
+        config = self.config
+        pause = None
+        if config.stream_pause_bytes:
+            prefix, request_id = request.state.engine_request_prefix, request.state.request_id
+
+            async def set_paused(paused: bool) -> bool:
+                return await self.engine.backend.set_paused(prefix, paused, request_id)
+            pause = dict(set_paused=set_paused, pause_at=config.stream_pause_bytes,
+                         resume_at=config.stream_resume_bytes,
+                         max_pause_s=config.max_stream_pause_s,
+                         on_pause=self.metrics.streams_paused.inc)
+        transport = request.scope.get("extensions", {}).get(TRANSPORT_KEY)
+        backlog = StreamBacklog(events(), config.max_stream_backlog, on_cut, transport, pause)
         return _RunStreamingResponse(backlog, run, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 

@@ -87,6 +87,9 @@ _GATEWAY_FLAGS = (
     ("max-request-retries", int, "failovers one engine request may use"),
     ("max-stream-backlog", int, "bytes a stream may have waiting for a slow client"),
     ("socket-send-buffer", int, "SO_SNDBUF of the gateway's client connections, bytes"),
+    ("stream-pause-bytes", int, "bytes a client may be behind before its requests pause"),
+    ("stream-resume-bytes", int, "bytes behind at which a paused stream resumes"),
+    ("max-stream-pause-s", float, "seconds a stream may stay paused before it is cut"),
     ("local-prefill-threshold", int,
      "prompts with fewer uncached tokens are prefilled on the decode instance"),
 )

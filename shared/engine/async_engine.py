@@ -136,6 +136,19 @@ class AsyncEngine:
         self._mark_aborting(request_ids)
         return await self.call(lambda e: self._abort_op(request_ids))
 
+    async def set_paused(self, request_ids: list[str], paused: bool) -> list[str]:
+        """Pause (or resume) the given requests between steps (`Scheduler.pause_requests`).
+
+        Returns the ids the engine holds, unfinished: each is now in the state asked for.
+        Unknown, finished or aborted ids are ignored (a pause racing a finish is a no-op).
+        """
+        def op(e: EngineCore) -> list[str]:
+            scheduler = e.scheduler
+            known = [r for r in request_ids if r in scheduler.requests]
+            (scheduler.pause_requests if paused else scheduler.resume_requests)(known)
+            return known
+        return await self.call(op)
+
     def request_abort(self, request_ids: list[str]) -> list[str]:
         """Abort without waiting for the engine thread (control calls must not queue behind
         a model step): the abort op runs before the next step is scheduled, frees the

@@ -331,6 +331,11 @@ class DecodeServiceStub:
                 request_serializer=shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.SetPaused = channel.unary_unary(
+                '/pdserve.v1.DecodeService/SetPaused',
+                request_serializer=shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
+                response_deserializer=shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/pdserve.v1.DecodeService/GetState',
                 request_serializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
@@ -353,6 +358,12 @@ class DecodeServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPaused(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -382,6 +393,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
                     response_serializer=shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+            ),
+            'SetPaused': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPaused,
+                    request_deserializer=shared_dot_proto_dot_engine__pb2.SetPausedRequest.FromString,
+                    response_serializer=shared_dot_proto_dot_engine__pb2.SetPausedResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -448,6 +464,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Abort',
             shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
             shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPaused(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/SetPaused',
+            shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
+            shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,14 @@ reads nothing. The gateway, run with --max-stream-backlog 4096 and --socket-send
 and error event), abort its 8 engine requests (no block in use or pinned while they would
 still be generating), and meanwhile stream a normal greedy chat to the end with the same
 answer it gives alone. Then the slow client reads what was left for it: its last
-events are the `slow_client` error object and `data: [DONE]`.
+events are the `slow_client` error object and `data: [DONE]`. (That gateway runs without
+engine-side backpressure, --stream-pause-bytes 0, to test the last resort alone.)
+
+The second test runs a gateway with engine-side backpressure (--stream-pause-bytes 8192,
+--max-stream-pause-s 3): two clients that stop reading are paused on the decode instance
+(its num_paused, and its generated-token count stops growing) while a normal chat beside
+them gets its answer; one then reads everything (resumed, it completes), the other never
+does (cut after 3 s paused, its request aborted); nothing is left in either pool.
 """
 
 from __future__ import annotations
@@ -40,22 +47,23 @@ async def stack(model_path):
         urls = Urls((cluster.prefill.identity.address,), (cluster.decode.identity.address,))
         async with running_gateway(model_path, urls, rpc_timeout=10.0,  # type: ignore[arg-type]
                                    max_stream_backlog=BACKLOG,
-                                   socket_send_buffer=BACKLOG) as gw:
+                                   socket_send_buffer=BACKLOG, stream_pause_bytes=0) as gw:
             gw.client = gw.client.with_options(timeout=120)
             yield gw, cluster
     finally:
         await cluster.close()
 
 
-def _open_slow_client(url: str) -> socket.socket:
+def _open_slow_client(url: str, max_tokens: int = SLOW_MAX_TOKENS,
+                      n: int = SLOW_N) -> socket.socket:
     """A connection with a ~4 KiB receive window that has sent its request and reads nothing."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
     sock.connect((host, int(port)))
     body = json.dumps({"model": SERVED_MODEL, "prompt": "Once upon a time", "stream": True,
-                       "max_tokens": SLOW_MAX_TOKENS, "ignore_eos": True, "logprobs": 5,
-                       "n": SLOW_N, "temperature": 1.0})
+                       "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 5,
+                       "n": n, "temperature": 1.0})
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: "
                  f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
                  f"{body}".encode())
@@ -114,3 +122,55 @@ async def test_slow_reader_is_cut_aborted_and_others_unharmed(stack):
     print(f"\nslow client cut after {cut_after:.1f} s; it had been sent {len(tokens)} of "
           f"{SLOW_N} x {SLOW_MAX_TOKENS} tokens' events")
     assert cuts._value.get() == 1
+
+
+def _events_of(raw: bytes) -> list[str]:
+    return [line[6:] for line in raw.decode(errors="replace").split("\n")
+            if line.startswith("data: ")]
+
+
+async def test_slow_readers_are_paused_then_resumed_or_cut_and_nothing_leaks(stack,
+                                                                              model_path):
+    _, cluster = stack
+    decode = cluster.decode.worker
+    urls = Urls((cluster.prefill.identity.address,), (cluster.decode.identity.address,))
+    async with running_gateway(
+            model_path, urls, rpc_timeout=10.0, socket_send_buffer=BACKLOG,  # type: ignore[arg-type]
+            stream_pause_bytes=8192, stream_resume_bytes=2048, max_stream_pause_s=3.0) as gw:
+        gw.client = gw.client.with_options(timeout=120)
+        metrics = gw.app.state.gateway.metrics
+        alone = await _normal_chat(gw.client)
+        never = await asyncio.to_thread(_open_slow_client, gw.url, SLOW_MAX_TOKENS, 1)
+        later = await asyncio.to_thread(_open_slow_client, gw.url, 96, 1)
+        try:
+            t0 = time.monotonic()
+            while (await decode.get_state()).num_paused < 2 or \
+                    metrics.streams_paused._value.get() < 2:  # (the reply comes after)
+                assert time.monotonic() - t0 < 60, "the slow readers were never paused"
+                await asyncio.sleep(0.05)
+            assert await _normal_chat(gw.client) == alone  # served beside them
+            generated = decode.metrics.value("generation_tokens_total")
+            await asyncio.sleep(0.5)
+            state = await decode.get_state()
+            if state.num_paused == 2:  # (not yet cut): paused requests generate nothing
+                assert decode.metrics.value("generation_tokens_total") == generated
+                assert state.num_running == 0 and state.num_used_blocks > 0  # KV kept
+            raw_later = await asyncio.to_thread(_read_all, later)  # resumed, runs to the end
+            raw_never = await asyncio.to_thread(_read_all, never)  # cut when paused 3 s
+        finally:
+            never.close()
+            later.close()
+        done = [json.loads(e) for e in _events_of(raw_later)[:-1]]
+        assert _events_of(raw_later)[-1] == "[DONE]" and done[-1]["choices"][0][
+            "finish_reason"] == "length", raw_later[-300:]
+        assert sum(len(d["choices"][0]["logprobs"]["tokens"]) for d in done) == 96
+        events = _events_of(raw_never)
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and error["type"] == "slow_client", error
+        assert "paused" in error["message"], error
+        assert metrics.streams_cut_slow_client._value.get() == 1
+        prefill, decode_state = await wait_leak_free(cluster, timeout=30.0)
+        for s in (prefill, decode_state):
+            assert s.invariants_ok, s.invariants_error
+            assert (s.num_used_blocks, s.num_pinned_blocks, s.num_running) == (0, 0, 0), s
+        assert decode_state.num_paused == 0

@@ -25,7 +25,7 @@ import pytest_asyncio
 import uvicorn
 
 from services.gateway.app import build_app
-from services.gateway.backpressure import set_send_buffer
+from services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
 from services.gateway.config import GatewayConfig
 from services.gateway.tokenization import load_tokenizer
 from tests.services.gateway.fake_engine import (
@@ -82,7 +82,8 @@ async def running_gateway(model_path: str, cluster: FakeCluster,
     set_send_buffer(sock, config.socket_send_buffer)  # as services/gateway/__main__.py
     sock.bind(("127.0.0.1", 0))
     host, port = sock.getsockname()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           http=TransportHttpProtocol))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

@@ -210,6 +210,10 @@ class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
         self.rec.aborted.extend(request.request_ids)
         return engine_pb2.AbortResponse(aborted_request_ids=list(request.request_ids))
 
+    async def SetPaused(self, request, context):  # acknowledged, not honoured
+        held = [r for r in request.request_ids if r in self.rec.active]
+        return engine_pb2.SetPausedResponse(request_ids=held)
+
     async def GetState(self, request, context):
         return _state(self.model, self.instance_id, "decode", self.rec)
 

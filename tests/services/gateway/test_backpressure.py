@@ -68,3 +68,107 @@ async def test_no_limit_never_cuts_and_close_stops_the_producer():
     assert not backlog.cut and backlog.size > 1024
     await backlog.close()  # the client left: events() is closed (its run aborted)
     assert closed == ["closed"]
+
+
+async def test_a_stream_behind_is_paused_then_resumed_when_the_writer_catches_up(monkeypatch):
+    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_S", 0.005)
+    closed: list[str] = []
+    calls: list[bool] = []
+    pauses: list[int] = []
+    running = asyncio.Event()
+    running.set()
+
+    async def set_paused(paused: bool) -> bool:  # an engine that honours it
+        calls.append(paused)
+        running.clear() if paused else running.set()
+        return True
+
+    async def engine():
+        try:
+            for i in range(10_000):
+                await running.wait()
+                yield f"data: {{\"i\": {i}, \"pad\": \"{'x' * 100}\"}}\n\n"
+                await asyncio.sleep(0)
+        finally:
+            closed.append("closed")
+    backlog = StreamBacklog(engine(), 1 << 20, lambda: None, pause=dict(
+        set_paused=set_paused, pause_at=2048, resume_at=512, max_pause_s=0,
+        on_pause=lambda: pauses.append(1)))
+    backlog.start()
+    chunks = backlog.chunks()
+    await anext(chunks)  # then the writer is blocked: the backlog grows past pause_at
+    for _ in range(500):
+        if calls:
+            break
+        await asyncio.sleep(0)
+    assert calls == [True] and pauses == [1] and backlog.size > 2048
+    await asyncio.sleep(0.02)
+    assert backlog.pauser.paused and calls == [True]  # still behind: stays paused
+    await anext(chunks)  # the writer takes everything: caught up
+    for _ in range(100):
+        if len(calls) >= 2:
+            break
+        await asyncio.sleep(0.005)
+    assert calls[:2] == [True, False]  # (and paused again: the writer stays blocked)
+    await backlog.close()
+    assert closed == ["closed"] and not backlog.cut
+
+
+async def test_a_stream_paused_too_long_is_cut_and_its_run_closed(monkeypatch):
+    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_S", 0.005)
+    closed: list[str] = []
+    cuts: list[int] = []
+    calls: list[bool] = []
+
+    async def set_paused(paused: bool) -> bool:
+        calls.append(paused)
+        return True
+
+    async def engine_that_pauses():  # like a paused engine request: no event after 20
+        try:
+            for i in range(20):
+                yield f"data: {{\"i\": {i}, \"pad\": \"{'x' * 200}\"}}\n\n"
+                await asyncio.sleep(0)
+            await asyncio.Event().wait()
+        finally:
+            closed.append("closed")
+    backlog = StreamBacklog(engine_that_pauses(), 1 << 20, lambda: cuts.append(1), pause=dict(
+        set_paused=set_paused, pause_at=1024, resume_at=0, max_pause_s=0.05,
+        on_pause=lambda: None))
+    backlog.start()
+    chunks = backlog.chunks()
+    await anext(chunks)
+    rest = await asyncio.wait_for(_drain_after_cut(backlog, chunks), 5)
+    await backlog.close()
+    assert calls == [True] and cuts == [1] and closed == ["closed"] and backlog.cut
+    error, done = [e for e in rest.split("\n\n") if e][-2:]
+    error = json.loads(error[6:])["error"]
+    assert error["type"] == "slow_client" and "paused" in error["message"]
+    assert done == "data: [DONE]"
+
+
+async def _drain_after_cut(backlog: StreamBacklog, chunks) -> str:
+    while not backlog.cut:
+        await asyncio.sleep(0.005)
+    return b"".join([c async for c in chunks]).decode()
+
+
+async def test_a_pause_that_finds_no_request_is_asked_again():
+    calls: list[bool] = []
+
+    async def set_paused(paused: bool) -> bool:
+        calls.append(paused)
+        return len(calls) >= 3  # not on the decode instance for the first two events
+    closed: list[str] = []
+    backlog = StreamBacklog(_events(10_000, closed), 1 << 20, lambda: None, pause=dict(
+        set_paused=set_paused, pause_at=256, resume_at=0, max_pause_s=0,
+        on_pause=lambda: None))
+    backlog.start()
+    chunks = backlog.chunks()
+    await anext(chunks)
+    for _ in range(500):
+        if backlog.pauser.paused:
+            break
+        await asyncio.sleep(0)
+    assert backlog.pauser.paused and calls == [True, True, True]
+    await backlog.close()
