@@ -332,6 +332,24 @@ async def test_a_follow_up_turn_with_the_tool_result(gateway):
     assert choice.message.content or choice.message.tool_calls
 
 
+async def test_auto_parses_the_models_tool_call_markup_streamed_and_not(gateway):
+    # The 135M model rarely writes <tool_call> on its own: a regex makes it write text
+    # then one call, so `auto`'s parsing (not a forcing grammar) turns it into tool_calls.
+    markup = (r'I will check\.<tool_call>\n\{"name": "get_weather", "arguments": '
+              r'\{"city": "Paris", "unit": "celsius"\}\}\n</tool_call>')
+    kwargs = {"tool_choice": "auto", "extra_body": {"structured_outputs": {"regex": markup}}}
+    whole, finish = await _tool_calls(gateway.client, QUESTION, stream=False, **kwargs)
+    streamed, stream_finish = await _tool_calls(gateway.client, QUESTION, stream=True, **kwargs)
+    assert finish == stream_finish == "tool_calls"
+    expected = [("get_weather", '{"city": "Paris", "unit": "celsius"}')]
+    assert [c[1:] for c in whole] == [c[1:] for c in streamed] == expected
+    assert all(c[0].startswith("call_") for c in whole + streamed)
+    resp = await gateway.client.chat.completions.create(
+        model=SERVED_MODEL, messages=QUESTION, tools=TOOLS, max_tokens=64, temperature=0,
+        **kwargs)
+    assert resp.choices[0].message.content == "I will check."
+
+
 async def test_an_unknown_function_in_tool_choice_is_a_400(gateway):
     with pytest.raises(openai.BadRequestError) as info:
         await gateway.client.chat.completions.create(

@@ -1,11 +1,14 @@
 """Guided decoding in the engine core: a half-guided batch of 32 leaves its unguided rows
 token-identical to a run without guided neighbours; guided rows (greedy and seeded
-temperature 1) validate; max_tokens ends a guided output with "length". (Regex, choice and
-grammars run end to end in tests/e2e/test_structured_outputs.py.)"""
+temperature 1) validate; max_tokens ends a guided output with "length"; a grammar stuck
+compiling holds back only its own request (AsyncEngine). (Regex, choice and grammars run end
+to end in tests/e2e/test_structured_outputs.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import jsonschema
 import pytest
@@ -72,3 +75,44 @@ def test_a_bad_grammar_is_refused_before_anything_is_queued(llm):
         llm.chat(_conversation(0), SamplingParams(
             max_tokens=4, structured_outputs=StructuredOutputsParams(regex="(unclosed")))
     assert not llm.engine.has_unfinished_requests()
+
+
+async def test_a_slow_compile_holds_back_only_its_own_request(model_path):
+    """While one schema's compile is stuck (held on the compile thread), an unguided request
+    and a guided one whose grammar is cached run to the end; released, the slow one does."""
+    from shared.engine.async_engine import AsyncEngine
+    from shared.request import Request
+
+    llm = LLM(model_path, kv_cache_memory="32MiB", max_model_len=256, max_num_seqs=4)
+    manager = llm.engine.structured_output
+    slow = StructuredOutputsParams(json=json.dumps({**SCHEMA, "title": "slow"}),
+                                   disable_any_whitespace=True)
+    gate, entered = threading.Event(), threading.Event()
+    compile_fn = manager.backend.compile
+
+    def held_compile(params):
+        if params.json == slow.json:
+            entered.set()
+            assert gate.wait(60)
+        return compile_fn(params)
+
+    manager.backend.compile = held_compile
+    manager.grammar(GUIDED).result(60)  # cached before the slow one takes the thread
+    engine = AsyncEngine(llm.engine, name="slow-compile")
+    prompt = llm.tokenizer.encode("JSON: age and pets of a baker.")
+
+    async def run(request_id: str, guided) -> list:
+        params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=guided)
+        return [d async for d in engine.generate(Request(request_id, prompt, params))]
+
+    try:
+        waiting = asyncio.ensure_future(run("slow", slow))
+        assert await asyncio.to_thread(entered.wait, 60)
+        others = await asyncio.wait_for(asyncio.gather(run("plain", None),
+                                                       run("cached", GUIDED)), 120)
+        assert all(deltas[-1].finished for deltas in others) and not waiting.done()
+        gate.set()
+        assert (await asyncio.wait_for(waiting, 120))[-1].finished
+    finally:
+        gate.set()
+        await asyncio.to_thread(engine.shutdown)
