@@ -1,6 +1,7 @@
 """Guided decoding in the engine core: a half-guided batch of 32 leaves its unguided rows
 token-identical to a run without guided neighbours; guided rows (greedy and seeded
-temperature 1) validate; max_tokens ends a guided output with "length"; a grammar stuck
+temperature 1) validate; max_tokens ends a guided output with "length"; preempted guided
+requests resume their grammar (same tokens); a grammar stuck
 compiling holds back only its own request (AsyncEngine). (Regex, choice and grammars run end
 to end in tests/e2e/test_structured_outputs.py.)"""
 
@@ -116,3 +117,24 @@ async def test_a_slow_compile_holds_back_only_its_own_request(model_path):
     finally:
         gate.set()
         await asyncio.to_thread(engine.shutdown)
+
+
+def test_preempted_guided_requests_resume_their_grammar(llm, model_path):
+    """Guided requests (greedy and seeded) preempted again and again in a pool too small for
+    all of them give the tokens they give unpreempted, and validate."""
+    rows = list(range(8))
+    conversations = [_conversation(i) for i in rows]
+    params = [_params(i, True) for i in rows]
+    roomy = llm.chat(conversations, params)
+    small = LLM(model_path, num_gpu_blocks_override=20, max_num_seqs=8, max_model_len=256,
+                enable_prefix_caching=False)
+    try:
+        tight = small.chat(conversations, params)
+        preemptions = small.engine.scheduler.num_preemptions
+    finally:
+        del small
+    assert preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+    for o in tight:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
