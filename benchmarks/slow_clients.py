@@ -1,7 +1,10 @@
 """Slow and greedy clients (issue 13 item 8): many streaming clients that read very slowly
 beside a few normal ones. Reports the gateway's RSS before, at peak and after, the normal
-clients' inter-token latency loaded vs unloaded (p50 ratio; target <= 1.5), and what the
-slow clients got (statuses, streams the gateway cut for falling --max-stream-backlog behind).
+clients' inter-token latency loaded vs unloaded (p50 ratio; target <= 1.5), what the slow
+clients got (statuses, streams the gateway cut), and the engine-side backpressure: the
+decode instances' paused / running / waiting requests when the loaded phase starts and the
+gateway's pauses (pdserve_num_requests_paused, pdserve_gateway_streams_paused_total, read
+from the gateway's federated /metrics).
 
 Against a running stack (raise the open-file limit first: every slow client is a socket):
 
@@ -14,9 +17,13 @@ or let it start and stop one: `--launch "--max-num-queued-requests 2048"` (flags
 
 Phases: 1 warm-up request; the normal clients alone (unloaded ITL); the slow clients open
 their connections (receive buffer 4 KiB), send a streamed completion each and then read
---read-bytes every --read-interval s; after --settle s the normal clients run again (loaded
-ITL) while the gateway's RSS is sampled; the slow clients hang up; --settle s later the
-RSS is read again.
+--read-bytes every --read-interval s; after --settle s, and once no decode instance runs or
+queues a request any more (every slow request paused, cut, finished or refused; at most
+--quiesce-timeout s more: the slow clients' first tokens, until each is --stream-pause-bytes
+behind, cost the engine like anyone's), the normal clients run again (loaded ITL) while the
+gateway's RSS is sampled; the slow clients hang up; --settle s later the RSS is read again.
+Paused requests are cut after the gateway's --max-stream-pause-s (60 s): to measure the
+normal clients beside paused (not cut) slow ones, run the gateway with a longer one.
 """
 
 from __future__ import annotations
@@ -122,11 +129,32 @@ def classify(raw: bytes) -> str:
     return "200 [DONE]" if b"data: [DONE]" in raw else "200 still streaming"
 
 
-async def cut_count(base_url: str) -> float:
+async def cluster_counts(base_url: str) -> dict:
+    """The gateway's cuts and pauses, and the decode instances' paused / running / waiting
+    requests (summed), from its federated /metrics."""
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         text = (await client.get("/metrics")).text
-    m = re.search(r"^pdserve_gateway_streams_cut_slow_client_total (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+
+    def total(name: str, decode_only: bool = False) -> float:
+        pattern = rf"^{name}(\{{[^}}]*\}})? (\S+)$"
+        return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M)
+                   if not decode_only or 'role="decode"' in (m.group(1) or ""))
+    return {"streams_cut": total("pdserve_gateway_streams_cut_slow_client_total"),
+            "pauses": total("pdserve_gateway_streams_paused_total"),
+            "decode_paused": total("pdserve_num_requests_paused", True),
+            "decode_running": total("pdserve_num_requests_running", True),
+            "decode_waiting": total("pdserve_num_requests_waiting", True)}
+
+
+async def quiesce(base_url: str, timeout: float) -> tuple[float, dict]:
+    """Wait until no decode instance runs or queues a request; (seconds waited, counts)."""
+    t0 = time.perf_counter()
+    while True:
+        counts = await cluster_counts(base_url)
+        if counts["decode_running"] + counts["decode_waiting"] == 0 or \
+                time.perf_counter() - t0 > timeout:
+            return time.perf_counter() - t0, counts
+        await asyncio.sleep(1.0)
 
 
 async def run(args) -> dict:
@@ -150,11 +178,12 @@ async def run(args) -> dict:
 
     sampler = asyncio.ensure_future(sample())
     await asyncio.sleep(args.settle)
+    quiesce_s, at_loaded = await quiesce(args.base_url, args.quiesce_timeout)
     t0 = time.perf_counter()
     loaded = percentiles(await normal_clients(args.base_url, args))
     loaded_s = time.perf_counter() - t0
     rss_loaded = rss_mib(pid)
-    cuts = await cut_count(args.base_url)
+    after_loaded = await cluster_counts(args.base_url)
     stop.set()
     outcomes = Counter(classify(r) for r in await asyncio.gather(*slow))
     await sampler
@@ -167,7 +196,9 @@ async def run(args) -> dict:
         "itl_p50_ratio": (loaded["p50"] / unloaded["p50"]) if unloaded and loaded else None,
         "itl_p90_s": {"unloaded": unloaded.get("p90"), "loaded": loaded.get("p90")},
         "normal_loaded_run_s": round(loaded_s, 2),
-        "slow_outcomes": dict(outcomes), "streams_cut_by_gateway": cuts,
+        "quiesce_s": round(quiesce_s, 1),
+        "at_loaded_start": at_loaded, "at_loaded_end": after_loaded,
+        "slow_outcomes": dict(outcomes),
     }
 
 
@@ -205,6 +236,9 @@ def main() -> None:
     ap.add_argument("--read-interval", type=float, default=1.0, help="s between its reads")
     ap.add_argument("--settle", type=float, default=10.0,
                     help="s the slow clients run before the loaded phase, and after they hang up")
+    ap.add_argument("--quiesce-timeout", type=float, default=300.0,
+                    help="s to wait, after --settle, for the decode instances to run and "
+                         "queue nothing (slow requests paused or cut) before the loaded phase")
     ap.add_argument("--gateway-pid", type=int, default=None, help="default: found by port")
     ap.add_argument("--launch", default=None, metavar="UP_FLAGS",
                     help="start `python -m shared.cli up` with these flags, stop it after")

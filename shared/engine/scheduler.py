@@ -165,18 +165,20 @@ class Scheduler:
     def preempt_paused(self) -> bool:
         """Free the blocks of the longest-paused request holding any (recompute on resume).
         Returns False when no paused request holds blocks. Its id is reported in the next
-        `SchedulerOutput.preempted_request_ids`."""
+        `SchedulerOutput.preempted_request_ids`; it moves to the end of `paused` (so the
+        holders stay in front: no rescan of a thousand freed ones per call)."""
         kv = self.kv_cache_manager
-        for request in self.paused.values():
-            if request.status != RequestStatus.PREEMPTED and kv.get_block_ids(request.request_id):
-                kv.free(request)
-                request.status = RequestStatus.PREEMPTED
-                request.num_computed_tokens = 0
-                request.num_preemptions += 1
-                self.num_preemptions += 1
-                self._paused_preempted_ids.append(request.request_id)
-                return True
-        return False
+        request = next((r for r in self.paused.values() if kv.get_block_ids(r.request_id)), None)
+        if request is None:
+            return False
+        kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._paused_preempted_ids.append(request.request_id)
+        self.paused[request.request_id] = self.paused.pop(request.request_id)
+        return True
 
     @property
     def num_running(self) -> int:
