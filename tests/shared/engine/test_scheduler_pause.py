@@ -3,7 +3,11 @@ place, not counted against max_num_seqs, preemptible, abortable, idempotent."""
 
 from __future__ import annotations
 
-from shared.request import RequestStatus
+import pytest
+
+from shared.llm import LLM
+from shared.request import Request, RequestStatus
+from shared.sampling_params import SamplingParams
 from tests.shared.engine.test_scheduler import (
     FakeRunner,
     check,
@@ -109,3 +113,31 @@ def test_request_paused_while_waiting_keeps_its_turn_and_frees_a_seat():
     sched.resume_requests(["a"])
     run_all(sched, runner)
     assert all(r.is_finished for r in reqs) and sched.kv_cache_manager.num_free_blocks == 63
+
+
+@pytest.mark.fp32_only  # the reference is transformers' fp32 model
+def test_paused_preempted_resumed_matches_transformers(model_path, parity_prompt_ids,
+                                                       hf_greedy_reference):
+    # The real model: request 0 paused after 10 tokens, its KV freed (preempted while
+    # paused) and recomputed on resume; request 1 runs alone meanwhile. Both greedy answers
+    # stay transformers' token for token.
+    llm = LLM(model_path, kv_cache_memory="64MiB", max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=24)  # a prefix of the reference
+    reqs = [Request(f"r{i}", ids, params, eos_token_id=llm.eos_token_id)
+            for i, ids in enumerate(parity_prompt_ids[:2])]
+    for r in reqs:
+        engine.add_request(r)
+    while reqs[0].num_output_tokens < 10:
+        engine.step()
+    assert engine.scheduler.pause_requests(["r0"]) == ["r0"]
+    for _ in range(5):
+        engine.step()
+    assert reqs[0].num_output_tokens == 10 and reqs[1].num_output_tokens > 10
+    assert engine.scheduler.preempt_paused() and reqs[0].num_computed_tokens == 0
+    assert engine.scheduler.resume_requests(["r0"]) == ["r0"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.output_token_ids for r in reqs] == [ref[:24] for ref in hf_greedy_reference[:2]]
+    kv = engine.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_gpu_blocks - 1
