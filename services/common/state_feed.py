@@ -52,7 +52,8 @@ MAX_BACKLOG = 16
 class RequestView(NamedTuple):
     request_id: str
     status: str
-    """running | waiting | preempted | pinned (prefill) | transfer (decode) | held"""
+    """running | waiting | preempted | pinned (prefill) | transfer (decode) | paused
+    (decode) | held"""
     block_ids: list[int]
     num_cached_tokens: int
     num_computed_tokens: int
@@ -147,10 +148,11 @@ def feed_op(engine, full: bool, stats_op: Callable) -> FeedSample:
     scheduler = engine.scheduler
     requests = []
     seen = set()
-    for group in (scheduler.running, scheduler.waiting):
+    for group in (scheduler.running, scheduler.waiting, scheduler.paused.values()):
         for r in group:
             seen.add(r.request_id)
-            status = ("running" if r.status == RequestStatus.RUNNING else
+            status = ("paused" if r.request_id in scheduler.paused else
+                      "running" if r.status == RequestStatus.RUNNING else
                       "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
             requests.append(_view(kv, r, status))
     holders = kv.req_to_blocks

@@ -8,7 +8,8 @@
 "use strict";
 (() => {
   const FREE = 0, USED = 1, PINNED = 2, NULL_BLOCK = 3, CACHED = 4, STATE = 3;
-  const ORDER = { running: 0, transfer: 1, pinned: 2, waiting: 3, preempted: 4, held: 5 };
+  const ORDER = { running: 0, transfer: 1, pinned: 2, waiting: 3, preempted: 4, paused: 5,
+                  held: 6 };
   const MAX_ROWS = 40, TABLE_INTERVAL_MS = 500;
   const RATE_WINDOW_S = 5, HIST_WINDOW_S = 60;
 
