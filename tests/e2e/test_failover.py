@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ class StreamResult:
     completion_tokens: int | None = None
     done: bool = False
     """[DONE] arrived."""
+    response_id: str | None = None
+    """The chunks' "id" (chatcmpl-<the gateway's request id>)."""
 
     @property
     def text(self) -> str:
@@ -155,6 +158,7 @@ async def _stream(gw: RunningGateway, messages: list[dict], result: StreamResult
             if "error" in event:
                 result.errors.append(event["error"])
                 continue
+            result.response_id = result.response_id or event.get("id")
             if event.get("usage"):
                 result.completion_tokens = event["usage"]["completion_tokens"]
             for choice in event["choices"]:
@@ -320,7 +324,7 @@ async def _is(address: str, status: int) -> bool:
     return await _health(address) == status
 
 
-async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
+async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster, caplog):
     reference = await _reference(gateway)
     before = _stats(gateway).decode_failovers
     assert all(len(r.texts) > KILL_AFTER_TOKENS for r in reference)  # all run at the kill
@@ -337,6 +341,7 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
         jsonschema.validate(json.loads(r.text), GUIDED_SCHEMA)
 
     victim = cluster.decodes[0]
+    caplog.set_level(logging.WARNING, logger="services.gateway.serving")
     results = [StreamResult() for _ in PARITY_MESSAGES]
     seeded = [StreamResult() for _ in bodies]
     started = time.monotonic()
@@ -356,6 +361,11 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
     for r in seeded[len(SEEDS):]:  # guided: still valid JSON, and mid-JSON at the kill
         jsonschema.validate(json.loads(r.text), GUIDED_SCHEMA)
         assert r.times[-1] > killed_at
+    # ... and some of them ran on the killed instance: their grammar state was rebuilt
+    failed_over = {rec.getMessage()[1:].split("]")[0] for rec in caplog.records
+                   if " failed (" in rec.getMessage()}
+    guided_ids = {r.response_id.removeprefix("chatcmpl-") for r in seeded[len(SEEDS):]}
+    assert failed_over & guided_ids, (failed_over, guided_ids)
     stats = _stats(gateway)
     assert 1 <= stats.decode_failovers - before <= on_victim
     assert stats.exhausted == 0
@@ -364,7 +374,8 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster):
             for r in results + seeded if r.times[-1] > killed_at]
     NUMBERS["decode_kill"] = {
         "streams": len(results) + len(seeded), "seeded_streams": len(SEEDS),
-        "guided_streams": NUM_GUIDED, "kills": 1,
+        "guided_streams": NUM_GUIDED, "guided_failed_over": len(failed_over & guided_ids),
+        "kills": 1,
         "streams_on_killed_instance": on_victim,
         "decode_failovers": stats.decode_failovers - before, "client_errors": 0,
         "answers_identical": len(results) + len(seeded),
