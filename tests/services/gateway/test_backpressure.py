@@ -72,6 +72,7 @@ async def test_no_limit_never_cuts_and_close_stops_the_producer():
 
 async def test_a_stream_behind_is_paused_then_resumed_when_the_writer_catches_up(monkeypatch):
     monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_S", 0.005)
+    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_MAX_S", 0.005)
     closed: list[str] = []
     calls: list[bool] = []
     pauses: list[int] = []
@@ -116,6 +117,7 @@ async def test_a_stream_behind_is_paused_then_resumed_when_the_writer_catches_up
 
 async def test_a_stream_paused_too_long_is_cut_and_its_run_closed(monkeypatch):
     monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_S", 0.005)
+    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_MAX_S", 0.005)
     closed: list[str] = []
     cuts: list[int] = []
     calls: list[bool] = []
