@@ -1,19 +1,22 @@
 """int8 linear layers and embeddings on CPU (`--quantization int8`): weights quantized once at
-load time, symmetric per output channel; activations stay fp32 (weight-only int8).
+load time, symmetric per output channel; activations fp32 (weight-only int8), or, for layers
+quantized with `w8a8=True` on a CPU with AVX-512 VNNI, int8 too (`cpu_int8_vnni`).
 
     w8 = quantize_linear(weight, bias)             # Int8Weight (panels of 32 channels)
     y = linear(x, w8)                              # x [M, K] fp32 -> [M, N] fp32
     e = embedding(ids, w8)                         # rows of the dequantized weight
 
 Weights: w[n, :] ~= scale[n] * q[n, :], scale[n] = max|w[n, :]| / 127, q in [-127, 127],
-stored as K-major panels of 32 output channels (`Int8Weight.qpacked`). The matmul is
-`csrc/int8_linear_cpu.c` (C + OpenMP, AVX-512 FMAs over int8 weights widened to fp32;
+stored as K-major panels of 32 output channels (`Int8Weight.qpacked`). The weight-only matmul
+is `csrc/int8_linear_cpu.c` (C + OpenMP, AVX-512 FMAs over int8 weights widened to fp32;
 compiled at first use through `kernels/cpu_build.py`): with up to 4 rows it reads the weights
 as int8 only, a quarter of the fp32 bytes, which is what a decode step of a few streams is
 bound by; with more rows each panel is widened once into a per-thread fp32 buffer and run as
 a 12-row x 32-column register-blocked GEMM. Every output is the same fp32 FMA chain over k
 whatever the batch, so a row's result does not depend on the other rows. Without a C compiler
-`linear` dequantizes and calls F.linear (correct, slow).
+`linear` dequantizes and calls F.linear (correct, slow). The W8A8 path (`cpu_int8_vnni`,
+llama.cpp Q8_0-style activations per row and block of 32 k, vpdpbusd int32 dots) reads the
+same packed weights.
 
 Why weight-only (measured on this project's 2-core AVX-512 machine, docs/benchmarks.md
 "int8"; the 30 layers' matmuls, ms: M=1 fp32 26.2, this kernel 5.4, fbgemm 7.3; M=64 77.9,
@@ -23,6 +26,9 @@ tensor: perplexity of the test text went 18.27 -> 48.2.
 Per-token int8 activations (simulated) still gave +3.2%, over the 2% budget; weight-only
 int8 gives +1.6%. oneDNN's quantized linear has the same per-tensor activations and was
 slower than fbgemm; `torch._weight_int8pack_mm` is vectorised for bf16 activations only.
+Per-block (32 k) int8 activations on every layer (`cpu_int8_vnni`) give +2.7%, nearly all
+from the attention input (qkv); on every layer but qkv +1.8% (docs/engine-contracts.md):
+hence the per-layer `w8a8` flag.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_int8_vnni
 from kernels.cpu_build import build_library, find_compiler
 
 logger = logging.getLogger(__name__)
@@ -65,6 +72,9 @@ class Int8Weight(NamedTuple):
     """[32 * ceil(N / 32)] float32 (zeros for a layer without bias)."""
     out_features: int
     """N."""
+    w8a8: bool = False
+    """Quantize the activations too (`cpu_int8_vnni`, AVX-512 VNNI CPUs): set per layer by
+    `quantize_linear(..., w8a8=True)`; False keeps fp32 activations (weight-only)."""
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: scale * q."""
@@ -85,8 +95,10 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qweight.contiguous(), scale.contiguous()
 
 
-def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
-    """A linear layer's fp32 weight [N, K] (and bias [N]) -> Int8Weight.
+def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    w8a8: bool = False) -> Int8Weight:
+    """A linear layer's fp32 weight [N, K] (and bias [N]) -> Int8Weight; `w8a8`: run it with
+    int8 activations where the CPU has VNNI (`cpu_int8_vnni`).
 
     Raises:
         ValueError: not a 2-D CPU weight.
@@ -105,12 +117,14 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> I
     bias_pad = torch.zeros(n_pad)
     if bias is not None:
         bias_pad[:n] = bias.detach().float()
-    return Int8Weight(qpacked, scale_pad, bias_pad, n)
+    return Int8Weight(qpacked, scale_pad, bias_pad, n, w8a8)
 
 
 @functools.cache
 def load_kernel():
-    """Compiles and loads `csrc/int8_linear_cpu.c`; None when it cannot be built here."""
+    """Compiles and loads `csrc/int8_linear_cpu.c` (and the W8A8 `cpu_int8_vnni` kernel);
+    None when it cannot be built here."""
+    cpu_int8_vnni.load_kernel()
     compiler = find_compiler()
     if compiler is None:
         logger.warning("no C compiler found; int8 linear layers dequantize (slow)")
@@ -130,9 +144,17 @@ def load_kernel():
 
 
 def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
-    """x [M, K] float32 CPU -> x @ (scale * q).T + bias, [M, N] float32."""
+    """x [M, K] float32 CPU -> x @ (scale * q).T + bias, [M, N] float32.
+
+    A `w.w8a8` layer on an AVX-512 VNNI CPU (from `cpu_int8_vnni.min_rows()` rows) quantizes
+    the activations too, int8 per row and block of 32 k (`cpu_int8_vnni.linear`); otherwise
+    weight-only."""
     num_rows, k = x.shape
     n = w.out_features
+    if w.w8a8 and num_rows >= cpu_int8_vnni.min_rows():
+        out = cpu_int8_vnni.linear(x, w)
+        if out is not None:
+            return out
     kernel = load_kernel() if x.dtype == torch.float32 else None
     if kernel is not None:
         if x.stride(1) != 1:

@@ -1,0 +1,120 @@
+"""kernels/cpu_int8_vnni: the W8A8 kernel (activations int8 per row and block of k, vpdpbusd)
+against the same block quantization done in torch (float64 sums), both paths (<= 16 rows: the
+panel re-packed in registers; more: re-packed once per call), odd shapes, rows independent of
+the batch, and `cpu_int8.linear`'s dispatch (w8a8 layers only; K not a multiple of the block
+or no VNNI: weight-only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_int8
+from kernels import cpu_int8_vnni as vnni
+
+CPUINFO = Path("/proc/cpuinfo")
+HAS_VNNI = CPUINFO.exists() and "avx512_vnni" in CPUINFO.read_text()
+needs_kernel = pytest.mark.skipif(vnni.load_kernel() is None, reason="no AVX-512 VNNI kernel")
+
+
+def reference(x: torch.Tensor, w8: cpu_int8.Int8Weight, block: int) -> torch.Tensor:
+    """The kernel's arithmetic in torch: block int dots (exact in float64), scaled."""
+    q, d = vnni.quantize_activations(x, block)
+    n, (m, k) = w8.out_features, x.shape
+    qw = w8.qpacked.transpose(1, 2).reshape(-1, k)[:n].double()
+    dots = torch.einsum("mbk,nbk->mnb", q.double().view(m, k // block, block),
+                        qw.view(n, k // block, block))
+    return (dots * d.double()[:, None, :]).sum(2) * w8.scale[:n].double() + w8.bias[:n]
+
+
+def _layer(n, k, bias, seed, w8a8=True):
+    g = torch.Generator().manual_seed(seed)
+    return cpu_int8.quantize_linear(torch.randn(n, k, generator=g) * 0.05,
+                                    torch.randn(n, generator=g) if bias else None, w8a8), g
+
+
+def test_quantize_activations_is_symmetric_per_block():
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.54, 1.0, 32)
+    x[1, 40] = 0.5
+    q, d = vnni.quantize_activations(x, 32)
+    assert q.dtype == torch.int8 and d.shape == (2, 2)
+    assert d.flatten().tolist() == pytest.approx([2.54 / 127, 0.0, 0.0, 0.5 / 127])
+    assert q[0, 0] == -127 and q[1, 40] == 127 and q[0, 32:].eq(0).all()
+    err = (x.view(2, 2, 32) - q.float().view(2, 2, 32) * d[:, :, None]).abs()
+    assert err.le(d[:, :, None] / 2 + 1e-7).all()
+
+
+def test_the_kernel_is_built_where_the_cpu_has_vnni():
+    if HAS_VNNI:
+        assert vnni.load_kernel() is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, block, bias", [
+    (1, 40, 64, 32, True),        # in-register path; a panel tail of 8
+    (7, 7, 32, 32, True),         # N < 16: one masked half; tiles of 4 + 3
+    (16, 960, 576, 32, False),    # the largest in-register call
+    (17, 576, 576, 32, True),     # re-packed: tiles of 6 + a tail of 5
+    (67, 576, 1536, 32, False),   # a tail of 1
+    (11, 50, 1536, 64, True),     # block 64
+    (20, 33, 64, 16, True)])      # block 16, re-packed
+def test_kernel_matches_the_block_quantized_reference(m, n, k, block, bias):
+    w8, g = _layer(n, k, bias, m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g) * 3
+    x[m // 2, :block] = 0  # an all-zero block: scale 0
+    got = vnni.linear(x, w8, block)
+    ref = reference(x, w8, block)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # int dots are exact; only the fp32 scaling rounds (one activation step off would be 1e-3)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max())
+    # and close to the fp32 product of the weight-only int8 layer
+    assert (got - F.linear(x, w8.dequantize(), w8.bias[:n])).abs().max() < 0.05 * ref.abs().max()
+
+
+@needs_kernel
+def test_rows_do_not_depend_on_the_batch():
+    w8, g = _layer(96, 576, True, 0)
+    x = torch.randn(64, 576, generator=g)
+    x[7] *= 50  # an outlier row must not change the others
+    full = cpu_int8.linear(x, w8)
+    # 1-16 rows run the in-register path, more the re-packed one: the same arithmetic
+    for rows in ([0], [5, 6], list(range(3, 9)), list(range(9, 33)), [7, 1, 60, 2, 30]):
+        assert torch.equal(cpu_int8.linear(x[rows], w8), full[rows]), rows
+    strided = torch.randn(8, 1152, generator=g)[:, ::2]  # column stride 2
+    assert torch.equal(cpu_int8.linear(strided, w8), cpu_int8.linear(strided.contiguous(), w8))
+
+
+@needs_kernel
+def test_dispatch_by_rows_and_shape(monkeypatch):
+    w8, g = _layer(40, 64, True, 1)
+    x = torch.randn(8, 64, generator=g)
+    assert vnni.min_rows() == vnni.MIN_ROWS == 1
+    assert torch.equal(cpu_int8.linear(x[:1], w8), vnni.linear(x[:1], w8))
+    weight_only = F.linear(x, w8.dequantize(), w8.bias[:40])
+    assert (cpu_int8.linear(x, w8) - weight_only).abs().max() > 1e-4  # activations quantized
+    # a layer without w8a8 (the default) stays weight-only
+    assert not cpu_int8.quantize_linear(torch.ones(2, 16)).w8a8
+    torch.testing.assert_close(cpu_int8.linear(x, w8._replace(w8a8=False)), weight_only)
+    monkeypatch.setenv(vnni.MIN_ROWS_ENV, "5")  # fewer rows: weight-only
+    torch.testing.assert_close(cpu_int8.linear(x[:4], w8), weight_only[:4])
+    assert torch.equal(cpu_int8.linear(x[:5], w8), vnni.linear(x[:5], w8))
+    monkeypatch.delenv(vnni.MIN_ROWS_ENV)
+    # K not a multiple of the block: refused here, weight-only in cpu_int8.linear
+    w48, g = _layer(9, 48, False, 2)
+    x48 = torch.randn(7, 48, generator=g)
+    assert vnni.linear(x48, w48) is None and vnni.linear(x, w8, block=24) is None
+    torch.testing.assert_close(cpu_int8.linear(x48, w48), F.linear(x48, w48.dequantize()))
+    assert cpu_int8.linear(torch.empty(0, 64), w8).shape == (0, 40)
+
+
+def test_without_vnni_it_stays_weight_only(monkeypatch):
+    w8, g = _layer(20, 32, True, 3)
+    x = torch.randn(9, 32, generator=g)
+    monkeypatch.setattr(vnni, "load_kernel", lambda: None)
+    assert vnni.linear(x, w8) is None
+    torch.testing.assert_close(cpu_int8.linear(x, w8),
+                               F.linear(x, w8.dequantize(), w8.bias[:20]))
