@@ -68,6 +68,11 @@ class _Ticket:
     """ReleaseKV for `handle` was sent (or is being sent): never send it twice."""
     task: asyncio.Task | None = None
     """Admission + KV transfer, cancelled by Abort."""
+    paused: bool = False
+    """Paused by SetPaused (its client reads too slowly)."""
+    paused_since_token: bool = False
+    """Paused since its last token: the next gap is the client's, not an inter-token
+    latency (not observed)."""
 
 
 def reserve_op(engine: EngineCore, request: Request, num_tokens: int,
@@ -237,8 +242,9 @@ class DecodeWorker(EngineWorker):
                 if first and local:
                     num_cached = max(request.num_cached_tokens, 0)
                     self.metrics.first_token(now - arrival)
-                elif not first:
+                elif not first and not ticket.paused_since_token:
                     self.metrics.inter_token(now - last)
+                ticket.paused_since_token = ticket.paused
                 last = now
                 num_generated += len(delta.new_token_ids)
                 if delta.finished:
@@ -350,7 +356,12 @@ class DecodeWorker(EngineWorker):
         """Pause or resume requests in the engine (`AsyncEngine.set_paused`); returns the ids
         it holds. A request still queued for blocks or in its KV transfer is not there yet:
         ignored (the gateway asks again while its client stays behind)."""
-        return await self.engine.set_paused(request_ids, paused)
+        held = await self.engine.set_paused(request_ids, paused)
+        for request_id in held:
+            if (ticket := self._tickets.get(request_id)) is not None:
+                ticket.paused = paused
+                ticket.paused_since_token = ticket.paused_since_token or paused
+        return held
 
     def num_pending(self) -> int:
         return len(self._admission)
