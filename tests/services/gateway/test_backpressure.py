@@ -174,3 +174,12 @@ async def test_a_pause_that_finds_no_request_is_asked_again():
         await asyncio.sleep(0)
     assert backlog.pauser.paused and calls == [True, True, True]
     await backlog.close()
+
+
+async def test_engine_ids_map_back_to_their_streams_prefix():
+    from services.gateway.backend import _ENGINE_ID_RE
+
+    for rid, prefix in (("0a1b-0", "0a1b"), ("0a1b-12-retry2", "0a1b"),
+                        ("client-id-1234abcd-3", "client-id-1234abcd"),
+                        ("client-id-12345678-0-retry1", "client-id-12345678")):
+        assert _ENGINE_ID_RE.fullmatch(rid).group(1) == prefix
