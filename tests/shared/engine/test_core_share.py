@@ -168,6 +168,7 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
             return 7, False
 
     core.scheduler = _Scheduler()
+    core.drafter = None  # no speculative decoding
     before = torch.get_num_threads()
     try:
         assert core.acquire_cores() == 1
