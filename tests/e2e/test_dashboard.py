@@ -343,6 +343,40 @@ async def test_the_page_shows_the_leak_audit_and_the_block_tables_under_load(
     await context.close()
 
 
+async def test_a_kv_transfer_in_flight_shows_on_the_page(browser, gateway, cluster):
+    """A FetchKV held mid-stream (its reader takes one chunk and waits): the prefill's feed
+    lists it as a transfer in flight and the page says so; released, none is left."""
+    context, page, errors = await open_dashboard(browser, gateway)
+
+    async def page_transfers(predicate, what: str) -> str:
+        deadline = time.monotonic() + 30
+        while not predicate(text := await page.inner_text("#transfers")):
+            assert time.monotonic() < deadline, f"page never showed {what}: {text!r}"
+            await asyncio.sleep(0.1)
+        return text
+
+    prompt = [4000 + i for i in range(640)]  # 40 blocks, ~29 MB of fp32 KV: many chunks
+    await cluster.prefill_stub.Prefill(pb.PrefillRequest(
+        request_id="xfer", prompt_token_ids=prompt,
+        sampling_params=pb.SamplingParams(temperature=0, max_tokens=8)), timeout=120)
+    fetch = cluster.prefill_stub.FetchKV(pb.FetchKVRequest(request_id="xfer"), timeout=120)
+    try:
+        await fetch.read()  # one chunk; gRPC flow control holds the rest of the stream
+        text = await page_transfers(lambda t: "xfer" in t, "the transfer in flight")
+        assert "sending (40 blocks" in text, text
+        r = await gateway.http.get("/dashboard/feed", headers=_bearer(ADMIN))
+        frames = {i["role"]: i for i in r.json()["instances"]}
+        assert [(t["id"], t["direction"], t["blocks"]) for t in
+                frames["prefill"]["transfers"]] == [("xfer", "send", 40)], frames["prefill"]
+    finally:
+        fetch.cancel()
+        await cluster.prefill_stub.ReleaseKV(pb.ReleaseKVRequest(request_id="xfer"), timeout=30)
+    await page_transfers(lambda t: t.endswith("none"), "no transfer in flight")
+    await wait_leak_free(cluster)
+    assert not errors, errors
+    await context.close()
+
+
 async def check_grafana_metrics(gw: RunningGateway, cluster: Cluster) -> None:
     """Every metric deploy/grafana/pdserve.json queries is in this stack's /metrics (the
     gateway's and each engine's), pdserve_redis_up aside: it exists only with Redis."""
