@@ -183,6 +183,8 @@ def test_the_gateway_finds_engines_through_redis_only(base, monkeypatch):
     c = _container(deployment)
     env = _env(c)
     assert _secret_ref(env, "PDSERVE_API_KEY") == ("pdserve-secrets", "api-key")
+    # the operator's key: without it /dashboard and /debug/* are closed to everyone
+    assert _secret_ref(env, "PDSERVE_ADMIN_API_KEY") == ("pdserve-secrets", "admin-api-key")
     assert _secret_ref(env, "PDSERVE_INTERNAL_TOKEN") == ("pdserve-secrets", "internal-token")
     ns = _parse(c["command"], {}, monkeypatch)
     assert ns.redis_url == _redis_url(base)
@@ -198,6 +200,14 @@ def test_the_gateway_finds_engines_through_redis_only(base, monkeypatch):
     assert {"cpu", "memory"} <= set(c["resources"]["requests"])
     (service_port,) = base[("Service", "gateway")]["spec"]["ports"]
     assert service_port["targetPort"] == http["name"]
+
+
+def test_every_secret_key_referenced_is_in_the_secret(base):
+    keys = set(base[("Secret", "pdserve-secrets")]["stringData"])
+    refs = {e["valueFrom"]["secretKeyRef"]["key"] for (kind, _), d in base.items()
+            if kind == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]
+            for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+    assert refs and refs <= keys, refs - keys
 
 
 def test_services_and_budgets_select_the_pods_they_mean(base):
