@@ -283,18 +283,26 @@ int int8_vnni_linear_f32(const float *x, int64_t x_stride, const int8_t *qpacked
         return -1;
     }
     int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-#pragma omp for schedule(static)
+    const int direct = M <= DIRECT_ROWS;
+    if (direct)  /* a few rows: quantized by the calling thread, no barrier in the region */
         for (int64_t m = 0; m < M; m++) quantize_row(x + m * x_stride, K, qk, a + m * K,
                                                      ad + m * nb);
-        int8_t *wv = (int8_t *)aligned_alloc(64, (size_t)(K * PANEL));
-        int32_t *corr = (int32_t *)aligned_alloc(64, (size_t)(nb * PANEL) * sizeof(int32_t));
-        if (wv == NULL || corr == NULL) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        int8_t *wv = NULL;
+        int32_t *corr = NULL;
+        if (!direct) {  /* the same for every thread */
+            wv = (int8_t *)aligned_alloc(64, (size_t)(K * PANEL));
+            corr = (int32_t *)aligned_alloc(64, (size_t)(nb * PANEL) * sizeof(int32_t));
+            if (wv == NULL || corr == NULL) {
 #pragma omp atomic write
-            failed = 1;
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) quantize_row(x + m * x_stride, K, qk, a + m * K,
+                                                         ad + m * nb);
+            /* (its implicit barrier also publishes `failed`) */
         }
-#pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < num_panels; p++) {
@@ -302,7 +310,7 @@ int int8_vnni_linear_f32(const float *x, int64_t x_stride, const int8_t *qpacked
                 const int64_t n_valid = N - n0 < PANEL ? N - n0 : PANEL;
                 const int8_t *qp = qpacked + p * K * PANEL;
                 const float *s = scale + n0, *b = bias + n0;
-                if (M <= DIRECT_ROWS) {  /* few rows: no re-packed copy of the panel */
+                if (direct) {  /* few rows: no re-packed copy of the panel */
                     run_panel_direct(a, ad, M, qp, K, qk, y, N, n0, n_valid, s, b);
                 } else {
                     repack_panel(qp, K, qk, wv, corr);
