@@ -1,9 +1,9 @@
 """Guided decoding in the engine core: a half-guided batch of 32 leaves its unguided rows
 token-identical to a run without guided neighbours; guided rows (greedy and seeded
 temperature 1) validate; max_tokens ends a guided output with "length"; preempted guided
-requests resume their grammar (same tokens); a grammar stuck
-compiling holds back only its own request (AsyncEngine). (Regex, choice and grammars run end
-to end in tests/e2e/test_structured_outputs.py.)"""
+requests resume their grammar (same tokens); a grammar stuck compiling holds back only its
+own request (AsyncEngine). (Regex, choice and grammars run end to end in
+tests/e2e/test_structured_outputs.py.)"""
 
 from __future__ import annotations
 
