@@ -79,8 +79,9 @@ def test_a_bad_grammar_is_refused_before_anything_is_queued(llm):
 
 
 async def test_a_slow_compile_holds_back_only_its_own_request(model_path):
-    """While one schema's compile is stuck (held on the compile thread), an unguided request
-    and a guided one whose grammar is cached run to the end; released, the slow one does."""
+    """While one schema's compile is stuck (held on its compile thread), an unguided request,
+    a guided one whose grammar is cached and one with another new grammar run to the end;
+    released, the slow one does."""
     from shared.engine.async_engine import AsyncEngine
     from shared.request import Request
 
@@ -109,8 +110,10 @@ async def test_a_slow_compile_holds_back_only_its_own_request(model_path):
     try:
         waiting = asyncio.ensure_future(run("slow", slow))
         assert await asyncio.to_thread(entered.wait, 60)
-        others = await asyncio.wait_for(asyncio.gather(run("plain", None),
-                                                       run("cached", GUIDED)), 120)
+        fresh = StructuredOutputsParams(json=json.dumps({**SCHEMA, "title": "fresh"}),
+                                        disable_any_whitespace=True)
+        others = await asyncio.wait_for(asyncio.gather(
+            run("plain", None), run("cached", GUIDED), run("fresh", fresh)), 120)
         assert all(deltas[-1].finished for deltas in others) and not waiting.done()
         gate.set()
         assert (await asyncio.wait_for(waiting, 120))[-1].finished
