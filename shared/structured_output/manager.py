@@ -45,7 +45,8 @@ class StructuredOutputManager:
         compile_timeout: seconds a request waits for its grammar before it is refused.
     """
 
-    def __init__(self, backend: Any, cache_size: int = DEFAULT_CACHE_SIZE, num_workers: int = DEFAULT_COMPILE_WORKERS,
+    def __init__(self, backend: Any, cache_size: int = DEFAULT_CACHE_SIZE,
+                 num_workers: int = DEFAULT_COMPILE_WORKERS,
                  compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         self.backend = backend
         self.cache_size = cache_size
