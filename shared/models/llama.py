@@ -293,9 +293,13 @@ class LlamaForCausalLM(nn.Module):
     def quantize_int8(self) -> None:
         """Replace, once after the weights are loaded, the fp32 weights of every linear layer,
         the LM head and the embeddings by int8 ones, symmetric per output channel (row), and
-        drop the fp32 copies (`kernels.cpu_int8`: weight-only int8, fp32 activations). Norms,
-        rotary tables and biases stay fp32. A tied LM head and embedding share one int8
-        tensor.
+        drop the fp32 copies (`kernels.cpu_int8`). Every layer but `qkv_proj`, and the LM
+        head, also quantize their activations (W8A8: per row in blocks of 32, int8 dot
+        products on AVX-512 VNNI, `kernels.cpu_int8_vnni`; weight-only where the CPU lacks
+        VNNI); `qkv_proj` keeps fp32 activations: its input is the most sensitive (W8A8
+        everywhere measured +2.72% perplexity on tests/data, this choice +1.76%, weight-only
+        +1.62%). Norms, rotary tables and biases stay fp32. A tied LM head and embedding
+        share one int8 tensor.
 
         Raises:
             ValueError: the weights are not on the CPU.
@@ -304,15 +308,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("--quantization int8 runs on the CPU only (--device cpu)")
         cpu_int8.load_kernel()  # compile once now, not in the first step
         before = self.resident_weight_bytes()
-        for module in self.modules():
+        for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.int8_weight = cpu_int8.quantize_linear(module.weight, module.bias)
+                module.int8_weight = cpu_int8.quantize_linear(
+                    module.weight, module.bias, w8a8=not name.endswith("qkv_proj"))
                 module.packed = None
                 module.gemv = None
                 module.weight = None
                 module.bias = None  # held by int8_weight
         head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        self.lm_head_int8 = cpu_int8.quantize_linear(head)
+        self.lm_head_int8 = cpu_int8.quantize_linear(head, w8a8=True)
         self.lm_head_packed = None
         self.lm_head_gemv = None
         embedding = self.lm_head_int8
