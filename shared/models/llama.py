@@ -84,6 +84,15 @@ class Linear(nn.Linear):
     int8_weight: cpu_int8.Int8Weight | None = None
     """The weight (and bias) in int8; set, `weight` is None."""
 
+    def full_weight(self) -> torch.Tensor:
+        """The fp32 weight [out, in]: `weight`, or unpacked from the GEMV panels when
+        `set_packed_linear` dropped it."""
+        if self.weight is not None:
+            return self.weight
+        if self.gemv is None:
+            raise ValueError("this layer keeps no fp32 weight (int8)")
+        return cpu_gemv.unpack_weight(self.gemv)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_weight is not None:
             return cpu_int8.linear(x, self.int8_weight)
@@ -277,15 +286,19 @@ class LlamaForCausalLM(nn.Module):
         on CPU, fp32 rounding differences only), and inputs of 1-8 rows from the GEMV
         kernel's panels (`kernels.cpu_gemv`, unless PDSERVE_CPU_GEMV=0 or it cannot be built
         here). Needs fp32 CPU weights and a torch with oneDNN; otherwise F.linear stays.
-        Costs one more copy of the weights in memory (two with the GEMV panels)."""
+        Costs one more copy of the weights in memory; with the GEMV panels the linear layers'
+        plain `weight` is dropped (every input then runs from one of the two packed copies;
+        `Linear.full_weight` unpacks it), so only the LM head's is held a third time."""
         weight = self.embed_tokens.weight
         enabled = (enabled and weight.device.type == "cpu" and weight.dtype == torch.float32
                    and cpu_linear.is_available())
         gemv = enabled and cpu_gemv.is_enabled() and cpu_gemv.load_kernel() is not None
         for module in self.modules():
             if isinstance(module, Linear):
-                module.packed = cpu_linear.pack_weight(module.weight) if enabled else None
-                module.gemv = cpu_gemv.pack_weight(module.weight, module.bias) if gemv else None
+                weight = module.full_weight().detach()
+                module.packed = cpu_linear.pack_weight(weight) if enabled else None
+                module.gemv = cpu_gemv.pack_weight(weight, module.bias) if gemv else None
+                module.weight = None if gemv else nn.Parameter(weight, requires_grad=False)
         head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
         self.lm_head_packed = cpu_linear.pack_weight(head) if enabled else None
         self.lm_head_gemv = cpu_gemv.pack_weight(head) if gemv else None

@@ -65,8 +65,11 @@ def test_model_switch_packs_every_linear_and_the_lm_head():
     assert all(m.packed is not None for m in linears) and model.lm_head_packed is not None
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-5, atol=1e-5)
     x = torch.randn(5, 32)
-    torch.testing.assert_close(linears[0](x), F.linear(x, linears[0].weight), rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(linears[0](x), F.linear(x, linears[0].full_weight()),
+                               rtol=1e-5, atol=1e-5)
+    model.set_packed_linear(False)  # back: the plain weights are there again
+    assert all(m.weight is not None and m.gemv is None for m in linears)
+    torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=0, atol=0)
 
 
 def test_fewer_rows_than_min_rows_give_the_rows_of_a_min_rows_batch():
