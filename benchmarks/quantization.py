@@ -70,7 +70,7 @@ def speed(llms: dict[str, LLM], rounds: int, mixed_requests: int) -> dict:
 
 def memory(llms: dict[str, LLM]) -> dict:
     m32, m8 = (llms[m].engine.model_runner.model for m in ("fp32", "int8"))
-    fp32_params = sum(p.numel() * p.element_size() for p in m32.parameters())
+    fp32_params = m32.parameter_bytes()
     return {"fp32_parameter_bytes": fp32_params,
             "fp32_engine_resident_bytes": m32.resident_weight_bytes(),
             "int8_engine_resident_bytes": m8.resident_weight_bytes(),

@@ -85,8 +85,7 @@ class Linear(nn.Linear):
     """The weight (and bias) in int8; set, `weight` is None."""
 
     def full_weight(self) -> torch.Tensor:
-        """The fp32 weight [out, in]: `weight`, or unpacked from the GEMV panels when
-        `set_packed_linear` dropped it."""
+        """The fp32 weight [out, in]: `weight`, or unpacked from the GEMV panels."""
         if self.weight is not None:
             return self.weight
         if self.gemv is None:
@@ -306,13 +305,10 @@ class LlamaForCausalLM(nn.Module):
     def quantize_int8(self) -> None:
         """Replace, once after the weights are loaded, the fp32 weights of every linear layer,
         the LM head and the embeddings by int8 ones, symmetric per output channel (row), and
-        drop the fp32 copies (`kernels.cpu_int8`). Every layer but `qkv_proj`, and the LM
-        head, also quantize their activations (W8A8: per row in blocks of 32, int8 dot
-        products on AVX-512 VNNI, `kernels.cpu_int8_vnni`; weight-only where the CPU lacks
-        VNNI); `qkv_proj` keeps fp32 activations: its input is the most sensitive (W8A8
-        everywhere measured +2.72% perplexity on tests/data, this choice +1.76%, weight-only
-        +1.62%). Norms, rotary tables and biases stay fp32. A tied LM head and embedding
-        share one int8 tensor.
+        drop the fp32 copies (`kernels.cpu_int8`). All but `qkv_proj` (the most sensitive
+        input: perplexity +2.72% with it, +1.76% without) also quantize their activations
+        (W8A8 on VNNI, `kernels.cpu_int8_vnni`). Norms, rotary tables and biases stay fp32.
+        A tied LM head and embedding share one int8 tensor.
 
         Raises:
             ValueError: the weights are not on the CPU.
@@ -340,6 +336,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = Int8Embedding(embedding)
         self.quantization = "int8"
         self.weight_bytes_saved = max(0, before - self.resident_weight_bytes())
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the model's parameters as loaded: `parameters()`, plus the fp32 linear
+        weights that `set_packed_linear` holds only packed (int8 layers are not counted)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight is None and module.gemv is not None:
+                total += module.gemv.out_features * module.gemv.wpacked.shape[1] * 4
+        return total
 
     def resident_weight_bytes(self) -> int:
         """Bytes of weights this model holds: parameters and buffers (rotary tables included)

@@ -61,7 +61,7 @@ def test_perplexity_within_two_percent_of_fp32(fp32, int8, text_ids):
 def test_resident_weights_shrink_and_the_kv_pool_takes_the_saving(fp32, int8):
     m32, m8 = fp32.engine.model_runner.model, int8.engine.model_runner.model
     assert m32.quantization == "none" and m8.quantization == "int8"
-    fp32_params = sum(p.numel() * p.element_size() for p in m32.parameters())
+    fp32_params = m32.parameter_bytes()
     assert m8.resident_weight_bytes() <= 0.35 * fp32_params
     # every linear layer runs from int8; no fp32 weight is left but norms and the rotary tables
     assert all(p.numel() <= 576 for p in m8.parameters())
