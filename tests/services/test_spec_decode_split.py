@@ -1,7 +1,9 @@
 """Speculation on the decode service (n-gram, and a draft model that prefills the prompt
 itself on the decode side), across the split: greedy outputs equal the single-process
-engine's without speculation, the decode instance's /metrics registry counts drafts
-(pdserve_spec_decode_*), and no block leaks on either side (nor in the draft's pool)."""
+engine's without speculation, also on a decode instance that takes over mid-stream (the
+gateway's failover after a kill -9: prompt + the tokens already streamed, no KV handle), the
+decode instance's /metrics registry counts drafts (pdserve_spec_decode_*), and no block
+leaks on either side (nor in the draft's pool)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ import pytest_asyncio
 from prometheus_client import generate_latest
 
 from services.gateway.federation import merge, parse_families, vllm_families
+from shared.proto import engine_pb2 as pb
 from shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
-from tests.services.helpers import greedy, run_split, start_cluster, wait_leak_free
+from tests.services.helpers import RPC_TIMEOUT, greedy, run_split, start_cluster, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -43,10 +46,24 @@ async def test_split_with_speculation_matches_engine(spec_cluster, reference_llm
                                                greedy(NUM_PARITY_TOKENS))
                                      for i, ids in enumerate(prompts)))
     assert [r.token_ids for r in results] == want
-    # Speculation runs on the decode side only.
-    assert spec_cluster.prefill.worker.engine.engine.speculative_config is None
+    # Failover: a decode instance continuing from the first k tokens (what the gateway sends
+    # after the serving decode died) speculates from there and gives the same tokens.
     registry = spec_cluster.decode.registry
     labels = {"model_name": spec_cluster.decode.worker.model_name}
+    drafted = registry.get_sample_value("pdserve_spec_decode_num_draft_tokens_total", labels)
+    async def resume(i: int, k: int) -> list[int]:
+        req = pb.DecodeRequest(request_id=f"spec-resume-{i}", prompt_token_ids=prompts[i],
+                               output_token_ids=want[i][:k],
+                               sampling_params=greedy(NUM_PARITY_TOKENS))
+        return [t async for c in spec_cluster.decode_stub.Generate(req, timeout=RPC_TIMEOUT)
+                for t in c.token_ids]
+    cuts = ((0, 1), (1, 9), (2, 20))
+    resumed = await asyncio.gather(*(resume(i, k) for i, k in cuts))
+    assert resumed == [want[i][k:] for i, k in cuts]
+    assert registry.get_sample_value("pdserve_spec_decode_num_draft_tokens_total",
+                                     labels) > drafted
+    # Speculation runs on the decode side only.
+    assert spec_cluster.prefill.worker.engine.engine.speculative_config is None
     drafts = registry.get_sample_value("pdserve_spec_decode_num_draft_tokens_total", labels)
     accepted = registry.get_sample_value("pdserve_spec_decode_num_accepted_tokens_total",
                                          labels)
