@@ -56,6 +56,8 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     try:
         config = config_from_args(ns, role)
         engine_args = EngineArgs.from_cli_args(ns)
+        if role == "decode":
+            engine_args.create_speculative_config()  # a bad key: one line and exit 2
         # Bind before any thread starts (gRPC's, the engine's): threads inherit the mask.
         # The event loop's own torch work (KV chunk copies) runs on one thread: only the
         # engine thread owns a multi-threaded OpenMP pool (see apply_cpu_placement).

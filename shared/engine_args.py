@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from shared.engine.spec_decode.config import SpeculativeConfig
+from shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +227,9 @@ class EngineArgs:
                                    vocab_size=int(hf["vocab_size"]),
                                    quantization=self.quantization,  # type: ignore[arg-type]
                                    seed=None if self.seed is None else int(self.seed))
+        speculative_config = self.create_speculative_config()
+        if speculative_config is not None:
+            check_draft_model(speculative_config, model_config.vocab_size, max_model_len)
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory=parse_size(self.kv_cache_memory),
                                    enable_prefix_caching=self.enable_prefix_caching,

@@ -210,15 +210,24 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
         and "decode-0 exit 0" in stopped[-1], stopped
 
 
-def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path):
-    """The engines' own configuration check runs in the launcher first: a max_model_len past
-    the model's positions is one line and exit 1, with no child started and no traceback."""
+@pytest.mark.parametrize("flags, message", [
+    (["--max-model-len", "100000"],
+     "error: max_model_len=100000 exceeds the model's max_position_embeddings"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+     "error: speculative_config.num_speculative_tokens"),
+    (["--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
+     "error: speculative_config.model: cannot read the draft '/nonexistent/draft'"),
+], ids=["max_model_len", "spec_k_0", "spec_no_draft"])
+def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path, flags, message):
+    """The engines' own configuration check runs in the launcher first (the speculative
+    config and its draft's config.json too): one line and exit 1, with no child started and
+    no traceback (a decode restarted forever on a bad --speculative-config before)."""
     port = _free_port()
     done = subprocess.run([sys.executable, "-m", "shared.cli", "up", "--model", model_path,
-                           "--port", str(port), "--max-model-len", "100000"],
+                           "--port", str(port), *flags],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
-    assert "error: max_model_len=100000 exceeds the model's max_position_embeddings" in out
+    assert message in out, out
     assert "Traceback" not in out and "[gateway]" not in out and "[redis]" not in out

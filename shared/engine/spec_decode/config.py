@@ -109,3 +109,33 @@ def _parse_size(value: Any) -> int:
         raise ValueError("speculative_config.draft_kv_cache_memory: a size such as "
                          f"'256MiB' or a byte count > 0, got {value!r}")
     return size
+
+
+def check_draft_model(config: SpeculativeConfig, target_vocab_size: int,
+                      max_model_len: int) -> None:
+    """Before anything loads: the draft of a "draft_model" config exists, shares the
+    target's vocabulary and covers max_model_len (reads its config.json only). No-op for
+    other methods.
+
+    Raises:
+        ValueError / FileNotFoundError: naming speculative_config.model.
+    """
+    if config.model is None:
+        return
+    from shared.models.convert import resolve_model_path
+    from shared.models.loader import read_hf_config
+
+    try:
+        hf = read_hf_config(resolve_model_path(config.model))
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"speculative_config.model: cannot read the draft "
+                                f"{config.model!r}: {e}") from None
+    vocab = int(hf.get("vocab_size", -1))
+    if vocab != target_vocab_size:
+        raise ValueError(f"speculative_config.model: the draft {config.model!r} has a "
+                         f"vocabulary of {vocab} tokens, the target {target_vocab_size}; "
+                         "the draft must share the target's tokenizer")
+    max_pos = int(hf.get("max_position_embeddings", 2048))
+    if max_pos < max_model_len:
+        raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
+                         f"({max_pos}) is below max_model_len ({max_model_len})")

@@ -32,10 +32,9 @@ import torch
 from shared.config import ModelConfig
 from shared.engine.attention import PagedAttention
 from shared.engine.attn_metadata import AttentionMetadata
-from shared.engine.spec_decode.config import SpeculativeConfig
+from shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
 from shared.engine.spec_decode.draft_kv import DraftKVCache
-from shared.models.llama import LlamaArgs
-from shared.models.loader import load_model, read_hf_config
+from shared.models.loader import load_model
 from shared.request import Request
 
 logger = logging.getLogger(__name__)
@@ -72,17 +71,8 @@ class DraftModelProposer:
 
         assert config.model is not None
         self.k = config.num_speculative_tokens
+        check_draft_model(config, model_runner.args.vocab_size, model_config.max_model_len)
         path = resolve_model_path(config.model)
-        args = LlamaArgs.from_hf_config(read_hf_config(path))
-        target_vocab = model_runner.args.vocab_size
-        if args.vocab_size != target_vocab:
-            raise ValueError(f"speculative_config.model: the draft {config.model!r} has a "
-                             f"vocabulary of {args.vocab_size} tokens, the target "
-                             f"{target_vocab}; the draft must share the target's tokenizer")
-        if args.max_position_embeddings < model_config.max_model_len:
-            raise ValueError(f"speculative_config.model: the draft's max_position_embeddings "
-                             f"({args.max_position_embeddings}) is below max_model_len "
-                             f"({model_config.max_model_len})")
         self.model = load_model(path, model_config.dtype, model_runner.device.type,
                                 model_config.quantization)
         self.args = self.model.args
