@@ -64,6 +64,9 @@ PARITY_MAX_TOKENS = 12
 CUT_STREAMS = PARITY_MESSAGES[4:8]
 DRAIN_STREAMS = PARITY_MESSAGES[:4]
 STREAM_MAX_TOKENS = 48
+DRAIN_MAX_TOKENS = 160
+"""The drained host's streams are longer: with 48 tokens they could all finish (about 30 ms a
+token for 4 streams) before the test reads which decode runs them (a CI failure)."""
 JOIN_BOUND_S = 10.0
 NUMBERS: dict[str, object] = {}
 """What the run measured, printed at the end (for the closing note)."""
@@ -211,7 +214,7 @@ def reference(hosts_possible, model_path) -> dict[str, list[Reference]]:
     out = {}
     for name, messages, max_tokens in (("parity", PARITY, PARITY_MAX_TOKENS),
                                        ("cut", CUT_STREAMS, STREAM_MAX_TOKENS),
-                                       ("drain", DRAIN_STREAMS, STREAM_MAX_TOKENS)):
+                                       ("drain", DRAIN_STREAMS, DRAIN_MAX_TOKENS)):
         outs = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=max_tokens))
         out[name] = [Reference(o.outputs[0].text, len(o.outputs[0].token_ids),
                                o.outputs[0].finish_reason) for o in outs]
@@ -296,8 +299,9 @@ class Stream:
         return Reference("".join(self.texts), self.num_tokens or 0, self.finish_reason)
 
 
-async def _stream(c: Cluster, gw: Gateway, messages, out: Stream) -> None:
-    body = {"model": MODEL, "messages": messages, "max_tokens": STREAM_MAX_TOKENS,
+async def _stream(c: Cluster, gw: Gateway, messages, out: Stream,
+                  max_tokens: int = STREAM_MAX_TOKENS) -> None:
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     async with c.http.stream("POST", f"{gw.url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -352,10 +356,11 @@ async def _until(predicate, what: str, timeout: float, interval: float = 0.05) -
         await asyncio.sleep(interval)
 
 
-async def _start_streams(c: Cluster, messages_list, min_chunks: int):
+async def _start_streams(c: Cluster, messages_list, min_chunks: int,
+                         max_tokens: int = STREAM_MAX_TOKENS):
     """One stream per message, alternating gateways; returns once each has `min_chunks`."""
     streams = [Stream() for _ in messages_list]
-    tasks = [asyncio.ensure_future(_stream(c, c.gateways[i % 2], m, s))
+    tasks = [asyncio.ensure_future(_stream(c, c.gateways[i % 2], m, s, max_tokens))
              for i, (m, s) in enumerate(zip(messages_list, streams))]
     await _until(lambda: all(len(s.texts) >= min_chunks or s.done for s in streams)
                  or any(t.done() and t.exception() for t in tasks),
@@ -512,7 +517,8 @@ def _retries(c: Cluster) -> list[str]:
 async def test_a_decode_host_drained_on_sigterm_finishes_its_streams(c, reference):
     failovers = await _decode_failovers(c)
     retries_before = set(_retries(c))
-    streams, tasks = await _start_streams(c, DRAIN_STREAMS, min_chunks=2)
+    streams, tasks = await _start_streams(c, DRAIN_STREAMS, min_chunks=2,
+                                          max_tokens=DRAIN_MAX_TOKENS)
     victim, running = await _busiest_decode(c)
     assert running >= 1
     victim.process.terminate()
