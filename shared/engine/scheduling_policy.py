@@ -2,7 +2,7 @@
 
     validate_new_request(request, ...)   add_request's checks (ValueError naming the cause)
     admission_order(waiting, config)     the order schedule() tries to admit waiting requests
-    check_stop(request, max_model_len)   whether a request is done after its last token
+    check_stop(request, max_model_len)   whether a request is done (from shared/stop_rules.py)
     prefill_urgency(waiting, running, config)   the next prefill's size, for the core share
 
 None of these touch the KV cache or the scheduler's queues; `Scheduler` calls them.
@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from shared.config import SchedulerConfig
 from shared.engine.core_share import NO_PREFILL
 from shared.request import Request, RequestStatus
+from shared.stop_rules import check_stop as check_stop  # re-exported: the scheduler's rule
 
 
 def validate_new_request(request: Request, max_model_len: int, block_size: int,
@@ -69,30 +70,6 @@ def admission_order(waiting: Iterable[Request], config: SchedulerConfig) -> list
     rest = [r for r in fresh if r.arrival_time > deadline]
     rest.sort(key=lambda r: r.num_tokens - r.num_computed_tokens)  # stable: ties FCFS
     return resumed + overdue + rest
-
-
-def check_stop(request: Request, max_model_len: int) -> tuple[RequestStatus | None, int | None]:
-    """Whether `request` is done after its last output token: (status, stop_reason).
-
-    EOS (unless ignore_eos) and stop_token_ids count only once num_output_tokens >=
-    min_tokens, and take precedence over the length limits, as does the end of a guided
-    request's grammar. stop_reason is the stop_token_ids entry hit; None for EOS (and a
-    grammar's end), as in vLLM.
-    """
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        last = request.output_token_ids[-1]
-        if not params.ignore_eos and last == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED, None
-        if last in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, last
-    if request.structured_output is not None and request.structured_output.is_terminated:
-        return RequestStatus.FINISHED_STOPPED, None  # the grammar is done
-    if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH_CAPPED, None
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH_CAPPED, None
-    return None, None
 
 
 def prefill_urgency(waiting: Iterable[Request], running: Iterable[Request],
