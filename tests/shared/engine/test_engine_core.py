@@ -132,10 +132,16 @@ def test_stop_token_ids_and_min_tokens(llm):
     first = ref.index(stop_tok)
     assert out.token_ids == ref[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    banned = llm.generate("Count: one, two, three,", SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_tok],
+        min_tokens=12))[0].outputs[0].token_ids  # the stop token banned at every position
     out = llm.generate("Count: one, two, three,", SamplingParams(
         temperature=0, max_tokens=12, stop_token_ids=[stop_tok], min_tokens=first + 2)
     )[0].outputs[0]
-    assert len(out.token_ids) >= first + 2
+    # Banned for the first first + 2 outputs, the stop token "," gives way to ")" after
+    # " four", and the greedy path never meets it again: max_tokens ends the request.
+    assert out.token_ids == banned and len(banned) == 12
+    assert out.finish_reason == "length" and out.stop_reason is None
 
 
 def test_chat_ends_on_eos_with_stop(llm):
