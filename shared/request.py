@@ -7,6 +7,9 @@ Lifecycle (vLLM v1's `RequestStatus` order; everything after PREEMPTED is finish
        └──── PREEMPTED ◀─────┘   (blocks freed, num_computed_tokens reset: recompute)
 
     WAITING_FOR_REMOTE_KVS ──KV written by the transfer──▶ WAITING/RUNNING   (decode role)
+
+A prefill finished for a remote decode keeps its blocks until the KV connector says its
+transfer is done (docs/lifecycle.md).
 """
 
 from __future__ import annotations
@@ -89,6 +92,11 @@ class Request:
     structured_output: Any = None
     """A guided request's grammar matcher (shared/structured_output/request.py), set when
     the engine adds it; None for an unguided request."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """KV transfer (shared/kv_transfer/connector.py), as vLLM's: set by the service,
+    {"do_remote_decode": True} asks that a prefill's blocks wait for a decode instance; once
+    the request finished, the connector's answer ({"block_ids", "block_hashes"} of the held
+    blocks), or None when its blocks were freed."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed to follow the known tokens, scored by the next step
     (speculative decoding, shared/engine/spec_decode/); empty without speculation."""

@@ -16,7 +16,7 @@ process (tests) must take turns."""
 
 
 def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
-    """Resolve the configs, build the EngineCore (prefill: hold_finished_blocks) and read the
+    """Resolve the configs, build the EngineCore and read the
     tokenizer's EOS id. Runs in a thread while the server already answers health checks."""
     def load() -> tuple[EngineCore, int | None]:
         from shared.tokenizer import get_tokenizer
@@ -25,8 +25,7 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
             configs = engine_args.create_engine_configs()
             # NOTE: one thread while loading: only the engine thread may own a multi-
             # threaded OpenMP pool (see apply_cpu_placement).
-            core = EngineCore(*configs, hold_finished_blocks=role == "prefill",
-                              enable_kv_cache_events=True, load_threads=1,
+            core = EngineCore(*configs, enable_kv_cache_events=True, load_threads=1,
                               speculative_config=None if role == "prefill"
                               else engine_args.create_speculative_config())
             return core, get_tokenizer(configs[0].model_path).eos_token_id

@@ -13,10 +13,15 @@ next step is scheduled); GetState waits for the engine thread at most STATE_WAIT
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
+
+import grpc
 
 from services.common import state_feed
 from services.common.config import ServiceConfig
+from services.common.errors import ServiceError
 from services.common.metrics import EngineStats, ServiceMetrics
 from services.common.state_feed import Counters, LoopSide, StateFeed, TransferView
 from shared.engine.async_engine import AsyncEngine
@@ -71,14 +76,17 @@ def stats_op(engine: EngineCore) -> EngineStats:
 
 def check_invariants_op(engine: EngineCore, owned: set[str]) -> tuple[str, list[str]]:
     """("", []) when the KV cache manager's invariants hold and every request holding blocks
-    is the scheduler's or in `owned` (the worker's); else the broken invariant, or "" and
-    the ids of the requests holding blocks that nothing owns."""
+    is the scheduler's (unfinished, or finished and held for a KV transfer) or in `owned`
+    (the worker's); else the broken invariant, or "" and the ids of the requests holding
+    blocks that nothing owns."""
     kv = engine.kv_cache_manager
     try:
         kv.check_invariants()
     except AssertionError as e:
         return str(e) or "AssertionError", []
-    return "", sorted(set(kv.req_to_blocks) - set(engine.scheduler.requests) - owned)
+    scheduler = engine.scheduler
+    return "", sorted(set(kv.req_to_blocks) - set(scheduler.requests)
+                      - set(scheduler.finished_sending) - owned)
 
 
 def free_unscheduled_op(engine: EngineCore, request: Request) -> None:
@@ -114,7 +122,11 @@ class EngineWorker:
         self.identity = identity
         self.metrics = metrics
         self.eos_token_id = eos_token_id
-        core = engine.engine
+        self.engine_core: EngineCore = engine.engine
+        """The engine's core (touch it on the engine thread only, through `engine.call`)."""
+        core = self.engine_core
+        self._active: set[str] = set()
+        """Ids of the requests this worker serves now (`active`)."""
         self.model_name = core.model_config.served_model_name
         self.quantization = core.model_config.quantization
         self.max_model_len = core.model_config.max_model_len
@@ -141,7 +153,7 @@ class EngineWorker:
 
     def num_in_flight(self) -> int:
         """Requests a drain waits for."""
-        return 0
+        return len(self._active)
 
     def owned_request_ids(self) -> set[str]:
         """Requests whose blocks this worker (not the scheduler) is responsible for."""
@@ -166,6 +178,18 @@ class EngineWorker:
 
     # -- shared ------------------------------------------------------------------------------
 
+    @contextmanager
+    def active(self, request_id: str, in_use: str) -> Iterator[None]:
+        """Serve `request_id` in this block. Raises ServiceError(ALREADY_EXISTS), saying
+        "request <id> <in_use>", while another call serves the same id."""
+        if request_id in self._active:
+            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} {in_use}")
+        self._active.add(request_id)
+        try:
+            yield
+        finally:
+            self._active.discard(request_id)
+
     async def get_state(self, check_invariants: bool = False) -> EngineState:
         """The state, from the engine thread between steps; while a step runs longer than
         STATE_WAIT_S (or the thread is stuck), from its O(1) counters read here instead,
@@ -180,7 +204,7 @@ class EngineWorker:
                            check_invariants_op(e, owned) if check_invariants else ("", []))),
                 STATE_WAIT_S[check_invariants])
         except TimeoutError:
-            stats, orphans = stats_op(self.engine.engine), []
+            stats, orphans = stats_op(self.engine_core), []
             error = (f"not checked: the engine has been in a step for "
                      f"{self.engine.seconds_in_step():.1f} s") if check_invariants else ""
         orphans = [r for r in orphans if r not in self.owned_request_ids()]

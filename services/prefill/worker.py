@@ -1,14 +1,15 @@
-"""PrefillWorker: prefill a prompt, sample its first token, pin its KV blocks for the decode.
+"""PrefillWorker: prefill a prompt, sample its first token, serve its KV to the decode.
 
-    Prefill ──▶ engine request (max_tokens 1) ──▶ finished, blocks held ──▶ Pin ──▶ KVHandle
-                                                                            │
-    FetchKV(indices) ──▶ chunks gathered from the pinned blocks ◀───────────┤
-    ReleaseKV / Abort / TTL expiry ──▶ kv_cache_manager.free (engine thread) ◀┘
+    Prefill ──▶ engine request (max_tokens 1, kv_transfer_params do_remote_decode)
+                  │ finished: the scheduler's KV connector holds its blocks ──▶ KVHandle
+    FetchKV(indices) ──▶ chunks gathered from the held blocks (start_send ... end_send)
+    ReleaseKV / Abort / TTL expiry ──▶ connector.close ──▶ the scheduler frees them
 
-The engine core runs with `hold_finished_blocks=True`: a finished request keeps its blocks
-until this worker frees them. Every path that does not hand the blocks to a Pin frees them
-(shielded from cancellation), and every Pin ends in exactly one free: a released, aborted or
-expired pin is taken out of `_pins` at once, and freed when its last FetchKV stream ends.
+The scheduler owns the blocks the whole time (docs/lifecycle.md); this worker only streams
+them and translates. A request that ends at its first token (stop, max_tokens 1, the model's
+length) asks for no transfer: its blocks are freed when it finishes. When a close (or the
+end of the last FetchKV reading a closed one) leaves a transfer done, the free is queued on
+the engine thread at once, so an op queued after (GetState) sees the blocks free.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
 
 from services.common.errors import ServiceError
 from services.common.state_feed import TransferView
-from services.common.worker import EngineWorker, free_unscheduled_op
-from shared.engine.engine_core import EngineCore
+from services.common.worker import EngineWorker
 from shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
 from shared.kv_transfer.handle import KVHandle
 from shared.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from shared.sampling_params import SamplingParams
+from shared.stop_rules import at_length_limit
 
 logger = logging.getLogger(__name__)
 
@@ -47,37 +47,6 @@ class PrefillResult(NamedTuple):
     """With sampling_params.prompt_logprobs: one per prompt token, the first None."""
 
 
-@dataclass(slots=True)
-class Pin:
-    """A finished prefill's blocks, held for the decode side."""
-
-    request: Request
-    block_ids: list[int]
-    expires_at: float
-    num_fetches: int = 0
-    """FetchKV streams reading the blocks now."""
-    closed: bool = False
-    """Released, aborted or expired: the last FetchKV stream frees the blocks."""
-    fetch_started: float = 0.0
-    """Monotonic start of the latest FetchKV stream (state feed)."""
-    free_queued: bool = False
-    """The free of its blocks is queued on the engine thread: an engine op queued from now
-    on (GetState's, the state feed's) runs after it and sees the blocks free, so the audit
-    views count the pin no more (it stays in `_closing`, its id taken, until freed)."""
-
-
-@dataclass(slots=True)
-class _InFlight:
-    request: Request
-    aborted: bool = False
-
-
-def _held_blocks_op(engine: EngineCore, request: Request) -> tuple[list[int], list[bytes]]:
-    kv = engine.kv_cache_manager
-    num_full = request.num_prompt_tokens // kv.block_size
-    return kv.get_block_ids(request.request_id), kv.get_block_hashes(request)[:num_full]
-
-
 def _same(chunk: KVChunkData) -> KVChunkData:
     return chunk
 
@@ -90,14 +59,12 @@ def _next_encoded(chunks: Iterator[KVChunkData],
 
 def client_finish_reason(request: Request, params: SamplingParams,
                          max_model_len: int) -> FinishReason | None:
-    """Whether the client's request ends with its first token (the engine ran max_tokens=1)."""
-    if request.status == RequestStatus.FINISHED_STOPPED:
-        return FinishReason.STOP
-    if request.status == RequestStatus.FINISHED_ABORTED:
-        return FinishReason.ABORT
-    if params.max_tokens == 1 or request.num_tokens >= max_model_len:
-        return FinishReason.LENGTH
-    return None
+    """How the client's request ends with its first token (None: it goes on): the engine's
+    finish reason (it ran max_tokens=1), but a length cap only at the client's own limit."""
+    if request.status == RequestStatus.FINISHED_LENGTH_CAPPED and not at_length_limit(
+            params, max_model_len, request.num_prompt_tokens, request.num_output_tokens):
+        return None
+    return request.finish_reason
 
 
 class PrefillWorker(EngineWorker):
@@ -105,11 +72,7 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._pins: dict[str, Pin] = {}
-        self._closing: dict[str, Pin] = {}
-        """Released / aborted / expired pins not freed yet (a FetchKV stream still reads
-        them, or the free op waits for the step in flight)."""
-        self._in_flight: dict[str, _InFlight] = {}
+        self.kv_connector = self.engine_core.kv_connector
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
 
     # -- Prefill -----------------------------------------------------------------------------
@@ -122,11 +85,10 @@ class PrefillWorker(EngineWorker):
             ValueError: a bad prompt (the engine's message).
             ServiceError: ALREADY_EXISTS (request id in use), ABORTED (Abort came first).
         """
-        # NOTE: ids are per instance: a stale pin of the same id would free our blocks. An id
-        # released a moment ago is taken once its blocks are freed (ReleaseKV answers first).
+        # NOTE: ids are per instance. An id released a moment ago is taken once its blocks
+        # are freed (ReleaseKV answers first).
         await self._wait_freed(request_id)
-        if request_id in self._in_flight or request_id in self._pins \
-                or request_id in self._closing:
+        if self.kv_connector.is_held(request_id):
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request {request_id!r} is already prefilled or in progress")
         # NOTE: min_tokens is capped, not dropped: min_tokens >= 1 still bans EOS / stop ids
@@ -135,86 +97,80 @@ class PrefillWorker(EngineWorker):
                                             min_tokens=min(params.min_tokens, 1))
         request = Request(request_id, list(prompt_token_ids), engine_params,
                           eos_token_id=self.eos_token_id, cache_salt=cache_salt)
-        state = self._in_flight[request_id] = _InFlight(request)
+        # A request that cannot go on past its first token asks for no transfer.
+        if not at_length_limit(params, self.max_model_len, request.num_prompt_tokens, 1):
+            request.kv_transfer_params = {"do_remote_decode": True}
         arrival = time.monotonic()
-        pinned = False
-        try:
-            last = None
-            async for delta in self.engine.generate(request):
-                last = delta
-            if state.aborted or last is None or last.finish_reason == FinishReason.ABORT:
-                raise ServiceError(grpc.StatusCode.ABORTED, f"request {request_id!r} was aborted")
-            first_token_time = time.monotonic()
-            self.metrics.first_token(first_token_time - arrival)
-            finish = client_finish_reason(request, params, self.max_model_len)
-            handle = None
-            if finish is None:
-                block_ids, block_hashes = await self.engine.call(
-                    lambda e: _held_blocks_op(e, request))
-                if state.aborted:
+        with self.active(request_id, "is already prefilled or in progress"):
+            try:
+                last = None
+                async for delta in self.engine.generate(request):
+                    last = delta
+                held = request.kv_transfer_params  # the connector's, set as it finished
+                if last is None or last.finish_reason == FinishReason.ABORT or \
+                        (held is not None and not self.kv_connector.is_open(request_id)):
                     raise ServiceError(grpc.StatusCode.ABORTED,
                                        f"request {request_id!r} was aborted")
-                self._pins[request_id] = Pin(request, block_ids,
-                                             time.monotonic() + self.config.kv_pin_ttl)
-                pinned = True
-                handle = KVHandle(self.identity.instance_id, self.identity.address, block_ids,
-                                  block_hashes, request.num_prompt_tokens, self.layout,
-                                  self.model_name, self.quantization)
-            self.metrics.request_finished(
-                "transferred" if finish is None else finish.value,
-                request.num_prompt_tokens, 1, first_token_time - arrival)
-            return PrefillResult(request_id, last.new_token_ids[0],
-                                 last.new_logprobs[0] if last.new_logprobs else None, finish,
-                                 max(request.num_cached_tokens, 0), handle,
-                                 last.prompt_logprobs)
-        finally:
-            try:
-                if not pinned:
-                    await asyncio.shield(
-                        self.engine.call(lambda e: free_unscheduled_op(e, request)))
-            finally:
-                self._in_flight.pop(request_id, None)
+                first_token_time = time.monotonic()
+                self.metrics.first_token(first_token_time - arrival)
+                finish = client_finish_reason(request, params, self.max_model_len)
+                handle = None if held is None else KVHandle(
+                    self.identity.instance_id, self.identity.address, held["block_ids"],
+                    held["block_hashes"], request.num_prompt_tokens, self.layout,
+                    self.model_name, self.quantization)
+                self.metrics.request_finished(
+                    "transferred" if finish is None else finish.value,
+                    request.num_prompt_tokens, 1, first_token_time - arrival)
+                return PrefillResult(request_id, last.new_token_ids[0],
+                                     last.new_logprobs[0] if last.new_logprobs else None,
+                                     finish, max(request.num_cached_tokens, 0), handle,
+                                     last.prompt_logprobs)
+            except BaseException:
+                # NOTE: generate() has aborted the engine request (awaited): it is either
+                # gone or finished and held for a transfer nobody will fetch now.
+                self._close(request_id)
+                raise
 
     # -- FetchKV / ReleaseKV / Abort ---------------------------------------------------------
 
     async def fetch_kv(self, request_id: str, block_indices: list[int],
                        encode: Callable[[KVChunkData], Any] = _same) -> AsyncIterator[Any]:
-        """Stream the pinned KV of `block_indices` (all blocks when empty), as
+        """Stream the held KV of `block_indices` (all blocks when empty), as
         `encode(chunk)` for each chunk (the servicer's proto message).
 
         Raises:
-            ServiceError: NOT_FOUND (no pin: never prefilled, released, aborted or expired),
-                INVALID_ARGUMENT (an index out of range or repeated), ABORTED (the pin was
-                released or aborted during the stream).
+            ServiceError: NOT_FOUND (not held: never prefilled, released, aborted or
+                expired), INVALID_ARGUMENT (an index out of range or repeated), ABORTED (the
+                transfer was released or aborted during the stream).
         """
-        pin = self._pins.get(request_id)
-        if pin is None:
+        block_ids = self.kv_connector.start_send(request_id)
+        if block_ids is None:
             raise ServiceError(grpc.StatusCode.NOT_FOUND,
                                f"no pinned KV for request {request_id!r} (never prefilled here, "
                                "already released or aborted, or expired after "
                                f"{self.config.kv_pin_ttl:g} s)")
-        num_blocks = len(pin.block_ids)
-        indices = list(block_indices) or list(range(num_blocks))
-        bad = next((i for i in indices if not 0 <= i < num_blocks), None)
-        if bad is not None:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"block_indices: index {bad} is out of range [0, {num_blocks})")
-        if len(set(indices)) != len(indices):
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "block_indices: an index is repeated")
-        pin.num_fetches += 1
-        start = pin.fetch_started = time.monotonic()
-        chunks = encode_kv_blocks(self.engine.engine.model_runner.kv_caches, pin.block_ids,
-                                  indices, self.config.kv_chunk_bytes)
-        # NOTE: the next chunk is gathered and encoded in a worker thread (torch and the
-        # copies drop the GIL) while gRPC sends this one. Reading pinned blocks off the engine
-        # thread is safe: nothing writes a block while a request holds it, and full blocks
-        # are never rewritten.
-        pending = asyncio.ensure_future(asyncio.to_thread(_next_encoded, chunks, encode))
+        pending: asyncio.Future | None = None
         try:
+            num_blocks = len(block_ids)
+            indices = list(block_indices) or list(range(num_blocks))
+            bad = next((i for i in indices if not 0 <= i < num_blocks), None)
+            if bad is not None:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"block_indices: index {bad} is out of range [0, {num_blocks})")
+            if len(set(indices)) != len(indices):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "block_indices: an index is repeated")
+            start = time.monotonic()
+            chunks = encode_kv_blocks(self.engine_core.model_runner.kv_caches, block_ids,
+                                      indices, self.config.kv_chunk_bytes)
+            # NOTE: the next chunk is gathered and encoded in a worker thread (torch and the
+            # copies drop the GIL) while gRPC sends this one. Reading held blocks off the
+            # engine thread is safe: nothing writes a block while a request holds it, and
+            # the scheduler frees them only after end_send.
+            pending = asyncio.ensure_future(asyncio.to_thread(_next_encoded, chunks, encode))
             while (item := await pending) is not None:
                 pending = asyncio.ensure_future(asyncio.to_thread(_next_encoded, chunks, encode))
-                if pin.closed:
+                if not self.kv_connector.is_open(request_id):
                     raise ServiceError(grpc.StatusCode.ABORTED,
                                        f"request {request_id!r} was released or aborted during "
                                        "the transfer")
@@ -224,82 +180,54 @@ class PrefillWorker(EngineWorker):
                 yield message
             self.metrics.kv_transfer(time.monotonic() - start)
         finally:
-            # NOTE: no await before the bookkeeping: a cancelled RPC can be cancelled again
-            # while it unwinds (gRPC fails the write, then cancels the task), and any await
-            # here may raise.
-            pin.num_fetches -= 1
-            if pin.closed and pin.num_fetches == 0:
-                self.spawn(self._free_after(pin, pending))
+            # NOTE: no await here: a cancelled RPC can be cancelled again while it unwinds
+            # (gRPC fails the write, then cancels the task), and any await may raise.
+            self.spawn(self._end_send_after(request_id, pending))
 
     async def release(self, request_id: str) -> bool:
-        """Unpin; False when there was no pin (released, aborted or expired already). Answers
-        at once: the blocks are freed by an engine op before the next step."""
+        """Unpin; False when nothing was held (released, aborted or expired already).
+        Answers at once: the blocks are freed by an engine op before the next step."""
         return self._close(request_id)
 
     async def abort(self, request_ids: list[str]) -> list[str]:
-        """Abort prefills in flight and unpin finished ones, without waiting for the engine
-        thread (a prefill's uncomputed chunks are dropped before the next step)."""
-        aborted = []
-        running = []
-        for request_id in request_ids:
-            state = self._in_flight.get(request_id)
-            if state is not None:
-                state.aborted = True
-                running.append(request_id)
-                aborted.append(request_id)
-            elif self._close(request_id):
-                aborted.append(request_id)
-        if running:
-            self.engine.request_abort(running)
-        return aborted
+        """Abort prefills in flight and release finished ones, without waiting for the
+        engine thread (a prefill's uncomputed chunks are dropped before the next step)."""
+        aborted = set(self.engine.request_abort(request_ids))
+        aborted.update(r for r in request_ids if self._close(r))
+        return [r for r in request_ids if r in aborted]
 
     def _close(self, request_id: str) -> bool:
-        """Take the pin out of `_pins` (no FetchKV can start on it); its blocks count as
-        pinned, in `_closing`, until freed: now (an engine op, not awaited) or by its last
-        FetchKV stream."""
-        pin = self._pins.pop(request_id, None)
-        if pin is None:
-            return False
-        pin.closed = True
-        self._closing[request_id] = pin
-        if pin.num_fetches == 0:
-            self._free(pin)
-        return True
+        """Close the transfer (no FetchKV can start on it); queue the free of its blocks
+        now when no FetchKV reads them, else their last reader does."""
+        was_open, done = self.kv_connector.close(request_id)
+        if done:
+            self._free_done()
+        return was_open
 
-    async def _free_after(self, pin: Pin, gather: asyncio.Future) -> None:
-        """Free once the last chunk gather is done (never free blocks under a reader)."""
-        await asyncio.gather(gather, return_exceptions=True)
-        self._free(pin)
+    async def _end_send_after(self, request_id: str, gather: asyncio.Future | None) -> None:
+        """End a FetchKV once its last chunk gather is done (never free under a reader)."""
+        if gather is not None:
+            await asyncio.gather(gather, return_exceptions=True)
+        if self.kv_connector.end_send(request_id):
+            self._free_done()
 
-    def _free(self, pin: Pin) -> None:
-        """Queue the free of the pin's blocks (an engine op, queued now: a GetState asked
-        after this sees them freed); the pin leaves `_closing` once the op has run."""
-        request = pin.request
-        pin.free_queued = True
-        freed = self.engine.submit(lambda e: e.kv_cache_manager.free(request))
-        self.spawn(self._forget_when_freed(request.request_id, freed))
+    def _free_done(self) -> None:
+        """Queue the scheduler's free of the transfers now done (an engine op)."""
+        self.engine.submit(lambda e: e.scheduler.update_from_kv_xfer_finished())
 
     async def _wait_freed(self, request_id: str) -> None:
-        """Until a released pin of `request_id` is freed (at most rpc_timeout)."""
+        """Until a closed transfer of `request_id` is freed (at most rpc_timeout)."""
         deadline = time.monotonic() + self.config.rpc_timeout
-        while request_id in self._closing and time.monotonic() < deadline:
+        while self.kv_connector.is_held(request_id) and \
+                not self.kv_connector.is_open(request_id) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
 
-    async def _forget_when_freed(self, request_id: str, freed: asyncio.Future) -> None:
-        try:
-            await asyncio.shield(freed)
-        finally:
-            self._closing.pop(request_id, None)
-
     async def _reap_expired(self) -> None:
-        """Unpin handles nobody fetched or released within the TTL."""
+        """Close the transfers nobody fetched or released within the TTL."""
         period = min(1.0, self.config.kv_pin_ttl / 4)
         while True:
             await asyncio.sleep(period)
-            now = time.monotonic()
-            expired = [rid for rid, pin in self._pins.items()
-                       if pin.expires_at <= now and pin.num_fetches == 0]
-            for request_id in expired:
+            for request_id in self.kv_connector.expired(self.config.kv_pin_ttl):
                 logger.info("[%s] KV pin expired after %g s without a release", request_id,
                             self.config.kv_pin_ttl)
                 self._close(request_id)
@@ -309,27 +237,17 @@ class PrefillWorker(EngineWorker):
     def num_pinned_blocks(self) -> int:
         return len(self.pinned_block_ids())
 
-    def _held_pins(self) -> dict[str, Pin]:
-        """Pins whose blocks an engine op queued now would still see pinned."""
-        return {rid: pin for pins in (self._pins, self._closing) for rid, pin in pins.items()
-                if not pin.free_queued}
-
     def pinned_block_ids(self) -> frozenset[int]:
-        return frozenset(b for pin in self._held_pins().values() for b in pin.block_ids)
+        return frozenset(b for s in self.kv_connector.sending() for b in s.block_ids)
 
     def request_labels(self) -> dict[str, tuple[str, Request | None]]:
-        return {rid: ("pinned", pin.request) for rid, pin in self._held_pins().items()}
+        return {s.request.request_id: ("pinned", s.request) for s in self.kv_connector.sending()}
 
     def transfers(self) -> list[TransferView]:
         now = time.monotonic()
-        return [TransferView(rid, "send", "", len(pin.block_ids), now - pin.fetch_started)
-                for rid, pin in self._held_pins().items() if pin.num_fetches]
-
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
-    def owned_request_ids(self) -> set[str]:
-        return set(self._in_flight) | set(self._pins) | set(self._closing)
+        return [TransferView(s.request.request_id, "send", "", len(s.block_ids),
+                             now - s.fetch_started)
+                for s in self.kv_connector.sending() if s.num_fetches]
 
     async def close(self) -> None:
         self._reaper.cancel()

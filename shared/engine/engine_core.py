@@ -1,8 +1,8 @@
 """EngineCore: scheduler + KV cache manager + model runner, stepped in a loop.
 
-One class serves both roles: the prefill service runs it with
-`hold_finished_blocks=True` (blocks stay pinned for the KV transfer), the decode
-service and the offline `LLM` with the default. nano-vllm's `step()` in spirit:
+One class serves both roles and the offline `LLM`. Its `kv_connector` holds a finished
+prefill's blocks for the decode instance that fetches them (only requests that ask for it:
+see shared/kv_transfer/connector.py). nano-vllm's `step()` in spirit:
 
     scheduler_output = scheduler.schedule()
     sampled = model_runner.execute_model(scheduler_output)
@@ -25,6 +25,7 @@ from shared.engine.scheduler import Scheduler
 from shared.engine.spec_decode.config import SpeculativeConfig
 from shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
 from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.kv_transfer.connector import KVConnector
 from shared.request import Request
 from shared.structured_output.backend import XgrammarBackend
 from shared.structured_output.manager import StructuredOutputManager
@@ -71,7 +72,6 @@ def open_core_share(parallel_config: ParallelConfig) -> CoreShare | None:
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
-                 hold_finished_blocks: bool = False,
                  enable_kv_cache_events: bool = False, load_threads: int | None = None,
                  speculative_config: SpeculativeConfig | None = None) -> None:
         self.num_threads = apply_cpu_placement(parallel_config, load_threads)
@@ -95,8 +95,9 @@ class EngineCore:
             # NOTE: only services drain take_events() (for the Redis index); an offline
             # engine would accumulate them forever.
             enable_kv_cache_events=enable_kv_cache_events)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager,
-                                   hold_finished_blocks=hold_finished_blocks)
+        self.kv_connector = KVConnector()
+        """When finished prefills' blocks are freed (held for a KV transfer until done)."""
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector)
         self.aborts_arrived: Container[str] = frozenset()
         """Ids whose abort has arrived but may not be applied yet (AsyncEngine's `aborting`,
         written by another thread: only membership is read here)."""

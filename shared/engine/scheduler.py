@@ -1,8 +1,8 @@
 """Scheduler: continuous batching under a token budget, chunked prefill, preemption.
 
-Role-agnostic: the prefill role passes `hold_finished_blocks=True` so a finished request's
-blocks stay allocated until the worker calls `kv_cache_manager.free(request)` itself (after
-the decode side has pulled them); the decode role uses the default.
+Role-agnostic. With a `kv_connector` (shared/kv_transfer/connector.py) a finished request
+the connector delays (a prefill whose KV a decode instance will fetch) keeps its blocks, still
+the scheduler's, until the connector reports its transfer done; see docs/lifecycle.md.
 
 One engine step (synchronous, one step in flight at a time):
 
@@ -36,6 +36,7 @@ from shared.engine.scheduling_policy import (
 from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from shared.engine.spec_decode.verification import SpecDecodingStats
 from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.kv_transfer.connector import KVConnector
 from shared.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "check_stop"]
@@ -47,14 +48,16 @@ class Scheduler:
     Args:
         scheduler_config: token budget, max_num_seqs, max_model_len, prefill chunk cap.
         kv_cache_manager: this instance's block bookkeeping.
-        hold_finished_blocks: keep a finished request's blocks (prefill role).
+        kv_connector: delays the free of finished requests' blocks for a KV transfer.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 hold_finished_blocks: bool = False):
+                 kv_connector: KVConnector | None = None):
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
-        self.hold_finished_blocks = hold_finished_blocks
+        self.kv_connector = kv_connector
+        self.finished_sending: dict[str, Request] = {}
+        """Finished requests whose blocks the connector holds for a transfer, by id."""
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting, preempted or running) by id."""
         self.waiting: deque[Request] = deque()
@@ -98,8 +101,8 @@ class Scheduler:
     def abort_requests(self, request_ids: str | Iterable[str]) -> list[Request]:
         """Finish the given unfinished requests as FINISHED_ABORTED and free their blocks.
 
-        Unknown or already finished ids are ignored (a finished request whose blocks are
-        held by `hold_finished_blocks` is the caller's to free). Returns the aborted ones.
+        Unknown or already finished ids are ignored (a finished request held for a transfer
+        is freed when the connector closes it). Returns the aborted ones.
         """
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
@@ -226,6 +229,7 @@ class Scheduler:
         """
         config = self.scheduler_config
         kv = self.kv_cache_manager
+        self.update_from_kv_xfer_finished()
         token_budget = config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
@@ -394,6 +398,23 @@ class Scheduler:
         del self.requests[request.request_id]
         self.paused.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
-        if not self.hold_finished_blocks:
-            self.kv_cache_manager.free(request)
+        kv = self.kv_cache_manager
+        delay, params = (self.kv_connector.request_finished(
+            request, kv.get_block_ids(request.request_id))
+            if self.kv_connector is not None else (False, None))
+        if delay:
+            assert params is not None
+            params["block_hashes"] = kv.get_block_hashes(request)[
+                :request.num_prompt_tokens // kv.block_size]
+            self.finished_sending[request.request_id] = request
+        else:
+            kv.free(request)
+        request.kv_transfer_params = params
+
+    def update_from_kv_xfer_finished(self) -> None:
+        """Free the blocks of held requests whose transfer the connector reports done."""
+        if self.finished_sending:
+            assert self.kv_connector is not None
+            for request_id in self.kv_connector.get_finished():
+                self.kv_cache_manager.free(self.finished_sending.pop(request_id))
 

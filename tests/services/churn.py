@@ -25,7 +25,7 @@ class ChurnEngine:
 
     def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, seed: int = 0,
-                 hold_finished_blocks: bool = False, target_requests: int = 0,
+                 target_requests: int = 0,
                  max_prompt_blocks: int = 12, step_pause_s: float = 0.0) -> None:
         self.target_requests = target_requests
         self.max_prompt_blocks = max_prompt_blocks
@@ -35,7 +35,7 @@ class ChurnEngine:
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=block_size * 512),
-            self.kv_cache_manager, hold_finished_blocks=hold_finished_blocks)
+            self.kv_cache_manager)
         self.rng = random.Random(seed)
         self.prefixes = [[self.rng.randrange(1, 1000) for _ in range(block_size * n)]
                          for n in (2, 4, 8)]

@@ -82,7 +82,7 @@ async def test_control_calls_complete_while_a_step_is_in_flight(prefill):
     try:
         long_prefill = asyncio.ensure_future(_prefill(stub, "long", PROMPT, max_tokens=8))
         assert await asyncio.to_thread(gate.entered.wait, 120)
-        request = worker._in_flight["long"].request
+        request = worker.engine_core.scheduler.requests["long"]  # held mid-step: safe to read
         steps = worker.engine.num_steps
 
         # The engine thread is inside the held step; every control call answers anyway.

@@ -8,6 +8,7 @@ import shared.kv_cache.kv_cache_manager as kv_cache_manager_module
 from shared.config import SchedulerConfig
 from shared.engine.scheduler import Scheduler, check_stop
 from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.kv_transfer.connector import KVConnector
 from shared.request import FinishReason, Request, RequestStatus
 from shared.sampling_params import SamplingParams
 
@@ -15,7 +16,7 @@ BS = 16
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
-                   max_model_len=256, hold_finished_blocks=False, enable_caching=True,
+                   max_model_len=256, kv_connector=None, enable_caching=True,
                    long_prefill_token_threshold=0, scheduling_policy="fcfs") -> Scheduler:
     # NOTE: these tests spell out budgets, chunks and preemption step by step in arrival
     # order (FCFS); the default shortest-job-first order has tests of its own
@@ -26,7 +27,7 @@ def make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=64,
                              max_model_len=max_model_len,
                              long_prefill_token_threshold=long_prefill_token_threshold,
                              scheduling_policy=scheduling_policy)
-    return Scheduler(config, kv, hold_finished_blocks=hold_finished_blocks)
+    return Scheduler(config, kv, kv_connector)
 
 
 def make_request(request_id, prompt_len=None, prompt=None, eos_token_id=None, **params):
@@ -412,20 +413,43 @@ def test_missing_sampled_token_is_an_error():
 
 # -- roles ----------------------------------------------------------------------------------
 
-def test_hold_finished_blocks_keeps_them_until_freed():
-    sched = make_scheduler(hold_finished_blocks=True)
+def test_connector_holds_a_remote_decodes_blocks_until_its_transfer_is_done():
+    connector = KVConnector()
+    sched = make_scheduler(kv_connector=connector)
     req = make_request("a", 40, max_tokens=1)
+    req.kv_transfer_params = {"do_remote_decode": True}
     sched.add_request(req)
     _, deltas = step(sched, FakeRunner(sched))
     assert deltas[0].finished and not sched.has_unfinished_requests()
     kv = sched.kv_cache_manager
     assert kv.get_block_ids("a") == [1, 2, 3] and kv.num_free_blocks == 60
-    assert sched.abort_requests(["a"]) == []  # no longer the scheduler's
+    assert req.kv_transfer_params == {"block_ids": [1, 2, 3],
+                                      "block_hashes": kv.get_block_hashes(req)[:2]}
+    assert sched.abort_requests(["a"]) == []  # finished: the connector's to close
     assert kv.num_free_blocks == 60
     assert sched.schedule().finished_request_ids == ["a"]
-    kv.free(req)
-    assert kv.num_free_blocks == 63
+    assert connector.start_send("a") == [1, 2, 3]  # a FetchKV reads the blocks
+    assert connector.close("a") == (True, False)  # released mid-read: not done yet
+    sched.update_from_kv_xfer_finished()
+    assert kv.num_free_blocks == 60 and "a" in sched.finished_sending
+    assert connector.end_send("a")  # the last reader is done
+    sched.update_from_kv_xfer_finished()
+    assert kv.num_free_blocks == 63 and not sched.finished_sending
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("ask, eos, expect_held", [(True, None, True), (False, None, False),
+                                                   (True, "first", False)])
+def test_connector_frees_at_once_unless_asked_and_length_capped(ask, eos, expect_held):
+    """No transfer asked, or a stop on the first token: freed when the request finishes."""
+    sched = make_scheduler(kv_connector=KVConnector())
+    req = make_request("a", 40, max_tokens=1)
+    req.eos_token_id = model_token(req) if eos else None
+    req.kv_transfer_params = {"do_remote_decode": True} if ask else None
+    sched.add_request(req)
+    step(sched, FakeRunner(sched))
+    assert (sched.kv_cache_manager.num_free_blocks == 60) == expect_held
+    assert (req.kv_transfer_params is not None) == expect_held
 
 
 def test_default_role_frees_finished_blocks():

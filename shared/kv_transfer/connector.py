@@ -1,0 +1,146 @@
+"""KVConnector: when the scheduler may free a finished prefill's blocks (vLLM v1's shape).
+
+The scheduler owns every block. A prefill request marked for a remote decode
+(`request.kv_transfer_params = {"do_remote_decode": True}`) that ends FINISHED_LENGTH_CAPPED
+(its one engine token) is not freed when it finishes: `request_finished()` answers
+"delay", and its blocks stay the scheduler's until the transfer is done.
+
+    finished (engine thread) ─▶ request_finished: (True, params) ─▶ held for the decode
+    FetchKV (service loop)   ─▶ start_send ... end_send          (blocks read, never freed
+                                                                   under a reader)
+    ReleaseKV / Abort / TTL  ─▶ close (service loop)
+    schedule() or an op      ─▶ get_finished(): closed and no reader ─▶ scheduler frees
+
+Threads: `request_finished` and `get_finished` run on the engine thread (the scheduler's);
+`start_send`, `end_send`, `close` and the views run on the service's event loop. One lock
+guards the table; no call blocks. After a `close` or the last `end_send` leaves a transfer
+done, the service queues an engine op that calls `Scheduler.update_from_kv_xfer_finished`
+(an idle engine does not step): the views stop counting a done transfer at once, so an op
+queued after sees its blocks freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shared.request import Request, RequestStatus
+
+__all__ = ["KVConnector", "SendingView"]
+
+
+@dataclass(slots=True)
+class _Sending:
+    request: Request
+    block_ids: list[int]
+    finished_at: float
+    """Monotonic time the request finished (its TTL counts from here)."""
+    num_fetches: int = 0
+    """FetchKV streams reading the blocks now."""
+    closed: bool = False
+    """Released, aborted or expired: freed once no FetchKV reads it."""
+    fetch_started: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SendingView:
+    """A held request, as the audit and the state feed see it."""
+
+    request: Request
+    block_ids: list[int]
+    num_fetches: int
+    fetch_started: float
+    """Monotonic start of the latest FetchKV stream."""
+
+
+class KVConnector:
+    """The prefill side of KV transfers: which finished requests keep their blocks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sending: dict[str, _Sending] = {}
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """(delay_free_blocks, kv_transfer_params) for a request that just finished.
+
+        Delays when the request asked for a remote decode and ended on its length cap (the
+        engine's max_tokens=1: the client's request goes on elsewhere); the params then give
+        its `block_ids` (a copy). A stop, an abort or a request without blocks: no delay.
+        """
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_decode")) or not block_ids \
+                or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
+            return False, None
+        with self._lock:
+            self._sending[request.request_id] = _Sending(request, list(block_ids),
+                                                         time.monotonic())
+        return True, {"block_ids": list(block_ids)}
+
+    def get_finished(self) -> set[str]:
+        """Ids of held requests whose transfer is done (closed, no reader): forgotten here,
+        their blocks are the caller's to free now."""
+        with self._lock:
+            done = {rid for rid, s in self._sending.items() if s.closed and not s.num_fetches}
+            for request_id in done:
+                del self._sending[request_id]
+        return done
+
+    # -- service loop -----------------------------------------------------------------------
+
+    def start_send(self, request_id: str) -> list[int] | None:
+        """A FetchKV begins: the held blocks (None if not held or closed). Pair with
+        `end_send`."""
+        with self._lock:
+            s = self._sending.get(request_id)
+            if s is None or s.closed:
+                return None
+            s.num_fetches += 1
+            s.fetch_started = time.monotonic()
+            return s.block_ids
+
+    def end_send(self, request_id: str) -> bool:
+        """A FetchKV ended (its last read done). True when that leaves the transfer done."""
+        with self._lock:
+            s = self._sending[request_id]
+            s.num_fetches -= 1
+            return s.closed and not s.num_fetches
+
+    def is_open(self, request_id: str) -> bool:
+        """Held and not closed (a FetchKV may start)."""
+        with self._lock:
+            s = self._sending.get(request_id)
+            return s is not None and not s.closed
+
+    def is_held(self, request_id: str) -> bool:
+        """Held, closed or not (its blocks are not freed yet)."""
+        with self._lock:
+            return request_id in self._sending
+
+    def close(self, request_id: str) -> tuple[bool, bool]:
+        """Release (ReleaseKV, Abort): (whether it was open, whether the transfer is done
+        now, i.e. no FetchKV reads it)."""
+        with self._lock:
+            s = self._sending.get(request_id)
+            if s is None or s.closed:
+                return False, False
+            s.closed = True
+            return True, not s.num_fetches
+
+    def expired(self, ttl: float) -> list[str]:
+        """Open ids unread for `ttl` seconds since they finished (the reaper closes them)."""
+        deadline = time.monotonic() - ttl
+        with self._lock:
+            return [rid for rid, s in self._sending.items()
+                    if not s.closed and not s.num_fetches and s.finished_at <= deadline]
+
+    def sending(self) -> list[SendingView]:
+        """Held requests whose blocks an engine op queued now would still see held (a done
+        transfer's free is already queued: not listed)."""
+        with self._lock:
+            return [SendingView(s.request, s.block_ids, s.num_fetches, s.fetch_started)
+                    for s in self._sending.values() if not (s.closed and not s.num_fetches)]
