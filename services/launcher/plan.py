@@ -169,7 +169,7 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                                                      _ports(metrics_base, n, picked))):
             address = f"127.0.0.1:{port}"
             addresses[role].append(address)
-            argv = [python, "-m", "shared.cli", "--log-level", config.log_level, "serve", role,
+            argv = [python, "-m", "services.cli", "--log-level", config.log_level, "serve", role,
                     "--host", "127.0.0.1", "--port", str(port),
                     "--metrics-port", str(metrics_port), "--redis-url", redis_url,
                     "--grace-period", f"{grace:g}", *engine_flags(args)]
@@ -179,7 +179,7 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                                       stage=1, ports=(port, metrics_port), cores=cores[i],
                                       env=token_env))
     gateway_url = f"http://{connect_host(config.host)}:{config.port}"
-    argv = [python, "-m", "shared.cli", "serve", "gateway", "--host", config.host,
+    argv = [python, "-m", "services.cli", "serve", "gateway", "--host", config.host,
             "--port", str(config.port), "--model", model_path,
             "--served-model-name", served_model_name, "--redis-url", redis_url,
             "--prefill-url", ",".join(addresses["prefill"]),

@@ -2,7 +2,7 @@
 
 import sys
 
-from shared.cli import main
+from services.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", "prefill", *sys.argv[1:]]))

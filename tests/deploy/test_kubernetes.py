@@ -129,7 +129,7 @@ def _parse(command: list[str], env: dict[str, str], monkeypatch):
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    from shared.cli import build_parser
+    from services.cli import build_parser
 
     assert command[0] == "pdserve"
     return build_parser().parse_args(command[1:])

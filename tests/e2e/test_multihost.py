@@ -96,7 +96,7 @@ class Engine:
     def start(self, redis_url: str) -> None:
         port, metrics_port = PORTS[self.role]
         self.process = self.host.start(
-            [sys.executable, "-m", "shared.cli", "serve", self.role, "--model", MODEL,
+            [sys.executable, "-m", "services.cli", "serve", self.role, "--model", MODEL,
              "--host", "0.0.0.0", "--port", str(port), "--metrics-port", str(metrics_port),
              "--redis-url", redis_url, *ENGINE_FLAGS], env=_env())
 
@@ -248,7 +248,7 @@ def cluster(model_path, reference, tmp_path_factory) -> Iterator[Cluster]:
             e.start(redis_url)
         for g in gateways:
             g.process = g.host.start(
-                [sys.executable, "-m", "shared.cli", "serve", "gateway",
+                [sys.executable, "-m", "services.cli", "serve", "gateway",
                  "--model", str(g.host.home / "model" / MODEL), "--host", "0.0.0.0",
                  "--port", str(GATEWAY_PORT), "--redis-url", redis_url,
                  "--health-check-interval", "0.5", "--rpc-timeout", "10",

@@ -95,7 +95,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     port = _free_port()
     log = tmp / "up.log"
     # --shutdown-timeout 7: the gateway and the engines get 7 - 5 = 2 s of grace.
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--log-level", "INFO",
+    cmd = [sys.executable, "-m", "services.cli", "up", "--log-level", "INFO",
            "--port", str(port), "--api-key", API_KEY, "--chat-template", str(template),
            "--allowed-origins", json.dumps([ORIGIN]), "--metrics-compat", "vllm",
            "--no-cpu-share", "--kv-cache-memory", "256MiB", "--max-model-len", "4096",
@@ -246,7 +246,7 @@ def test_a_second_up_keeps_off_the_first_ones_pinned_cores(stack, tmp_path):
     first = {c for e in pinned_engines(exclude=(os.getpid(),)) for c in e.cores}
     assert first, "the first stack's engines are not pinned"
     log = tmp_path / "second.log"
-    cmd = [sys.executable, "-m", "shared.cli", "up", "--port", str(_free_port()),
+    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(_free_port()),
            "--no-cpu-share", "--kv-cache-memory", "128MiB", "--max-model-len", "512"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,

@@ -8,11 +8,11 @@ import shlex
 
 import pytest
 
+from services.cli import build_parser
 from services.launcher.config import add_up_args, config_from_args
 from services.launcher.cores import distribute, format_cores, split_cores
 from services.launcher.plan import build_plan, child_env, engine_flags
 from services.launcher.up import curl_line
-from shared.cli import build_parser
 from shared.engine.core_share import default_board_path
 from shared.engine_args import EngineArgs
 
@@ -77,7 +77,7 @@ def test_plan_on_two_cores(monkeypatch):
     parser = build_parser()
     prefill, decode = plan.children[1], plan.children[2]
     for spec, role in ((prefill, "prefill"), (decode, "decode")):
-        assert spec.argv[:3] == ("python", "-m", "shared.cli")
+        assert spec.argv[:3] == ("python", "-m", "services.cli")
         ns = parser.parse_args(list(spec.argv[3:]))
         assert (ns.command, ns.serve_role) == ("serve", role)
         assert ns.host == "127.0.0.1" and ns.redis_url == plan.redis_url
@@ -175,11 +175,11 @@ def test_curl_line_pastes_as_is():
 def test_avoid_pinned_cores_of_other_engines():
     from services.launcher.cores import PinnedEngine, _engine_role, avoid_pinned
 
-    assert _engine_role(["python", "-m", "shared.cli", "--log-level", "INFO", "serve",
+    assert _engine_role(["python", "-m", "services.cli", "--log-level", "INFO", "serve",
                          "decode", "--port", "1"]) == "decode"
     assert _engine_role(["/usr/bin/pdserve", "serve", "prefill"]) == "prefill"
     assert _engine_role(["python", "-m", "services.prefill"]) == "prefill"
-    assert _engine_role(["python", "-m", "shared.cli", "serve", "gateway"]) is None
+    assert _engine_role(["python", "-m", "services.cli", "serve", "gateway"]) is None
     others = [PinnedEngine(11, "prefill", (0,)), PinnedEngine(12, "decode", (1,))]
     assert avoid_pinned((0, 1, 2, 3), []) == ((0, 1, 2, 3), None)
     free, reason = avoid_pinned((0, 1, 2, 3), others)

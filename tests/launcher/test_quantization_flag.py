@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
+from services.cli import build_parser
 from services.launcher.config import config_from_args
 from services.launcher.plan import build_plan
-from shared.cli import build_parser
 from shared.engine_args import EngineArgs
 
 

@@ -10,8 +10,8 @@ import sys
 import time
 import urllib.request
 
-from shared.cli import build_parser
-from shared.cli import main as cli_main
+from services.cli import build_parser
+from services.cli import main as cli_main
 from tests.services.helpers import free_port
 
 
