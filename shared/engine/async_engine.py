@@ -46,8 +46,8 @@ class EngineStepError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineCore, name: str = "engine") -> None:
-        self.engine = engine
+    def __init__(self, engine_core: EngineCore, name: str = "engine") -> None:
+        self.engine_core = engine_core
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -57,7 +57,7 @@ class AsyncEngine:
         event loop's thread; the engine thread only tests membership (atomic under the GIL):
         an add op skips such a request, and the core counts the prompt tokens a step computed
         for them."""
-        engine.aborts_arrived = self.aborting
+        engine_core.aborts_arrived = self.aborting
         self.last_step_time = time.monotonic()
         """Monotonic time the loop last made progress (a step, or idle with no work)."""
         self.num_steps = 0
@@ -74,14 +74,19 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def engine(self) -> EngineCore:
+        """Deprecated alias, removed once every caller uses engine_core."""
+        return self.engine_core
+
     # -- asyncio side ---------------------------------------------------------------------
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps; return or raise its result."""
+        """Run `fn(engine_core)` on the engine thread between steps; return or raise its result."""
         return await self.submit(fn)
 
     def submit(self, fn: Callable[[EngineCore], T]) -> asyncio.Future:
-        """Queue `fn(engine)` for the engine thread now (ops run in submission order, between
+        """Queue `fn(engine_core)` for the engine thread now (ops run in submission order, between
         steps); the future of its result. Call it on the event loop's thread."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -105,7 +110,7 @@ class AsyncEngine:
         try:
             structured_outputs = request.sampling_params.structured_outputs
             if structured_outputs is not None:  # compiled off the engine thread, cached
-                await self.engine.structured_output.wait_for_grammar(structured_outputs)
+                await self.engine_core.structured_output.wait_for_grammar(structured_outputs)
             submitted = True
             try:
                 await self.call(lambda e: self._add_op(request))
@@ -170,11 +175,11 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
-            self.engine.shutdown()
+            self.engine_core.shutdown()
 
     @property
     def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests() or not self._ops.empty()
+        return self.engine_core.has_unfinished_requests() or not self._ops.empty()
 
     def seconds_since_progress(self) -> float:
         """0 while idle; else seconds since the last completed step (readiness probes)."""
@@ -190,15 +195,15 @@ class AsyncEngine:
     # -- engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        self.engine.bind_stepping_thread()
-        burst_gap_s = self.engine.scheduler.scheduler_config.burst_gap_s
+        self.engine_core.bind_stepping_thread()
+        burst_gap_s = self.engine_core.scheduler.scheduler_config.burst_gap_s
         idle = True
         while not self._stopped:
             if self.stall_hook is not None:
                 self.stall_hook()
             self._run_ops()
-            if not self.engine.has_unfinished_requests():
-                self.engine.mark_idle()
+            if not self.engine_core.has_unfinished_requests():
+                self.engine_core.mark_idle()
                 self.last_step_time = time.monotonic()
                 idle = True
                 self._wake.wait(_IDLE_WAIT_S)
@@ -207,7 +212,7 @@ class AsyncEngine:
             if idle and burst_gap_s > 0:
                 self._gather_burst(burst_gap_s)
             idle = False
-            if self.engine.acquire_cores() == 0:
+            if self.engine_core.acquire_cores() == 0:
                 # Another engine of this host has a shorter prefill: let it have the cores.
                 # Waiting by choice is progress, not a stall (readiness watchdog).
                 self.last_step_time = time.monotonic()
@@ -218,7 +223,7 @@ class AsyncEngine:
             try:
                 if self.fault_hook is not None:
                     self.fault_hook()
-                deltas = self.engine.step()
+                deltas = self.engine_core.step()
             except Exception as e:  # not bad input: fail the requests over, keep serving
                 self.consecutive_step_failures += 1
                 self.num_step_failures += 1
@@ -248,7 +253,7 @@ class AsyncEngine:
             # Publish the work on the host's core board now: another engine of this host
             # ending its own gathering first must see this burst's shorter prompts before
             # it starts a long prefill step.
-            self.engine.acquire_cores()
+            self.engine_core.acquire_cores()
             remaining = deadline - time.monotonic()
             if remaining <= 0 or (not took and not self._wake.wait(min(gap_s, remaining))):
                 break
@@ -261,7 +266,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             try:
-                result: Any = fn(self.engine)
+                result: Any = fn(self.engine_core)
             except BaseException as e:  # delivered to the caller, never kills the loop
                 if loop is None:  # nobody waits for it (request_abort)
                     logger.exception("engine op failed")
@@ -289,17 +294,17 @@ class AsyncEngine:
             self._dispatch([RequestOutputDelta(request.request_id, [], [], FinishReason.ABORT,
                                                None)])
             return
-        self.engine.add_request(request)
+        self.engine_core.add_request(request)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
-        ids = [r.request_id for r in self.engine.abort_requests(request_ids)]
+        ids = [r.request_id for r in self.engine_core.abort_requests(request_ids)]
         self._dispatch([RequestOutputDelta(i, [], [], FinishReason.ABORT, None) for i in ids])
         return ids
 
     def _fail_all(self, error: Exception) -> None:
         """Drop every request the engine holds (blocks freed); their streams raise."""
         ids = [r.request_id for r in
-               self.engine.abort_requests(list(self.engine.scheduler.requests))]
+               self.engine_core.abort_requests(list(self.engine_core.scheduler.requests))]
         failure = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for request_id in ids:

@@ -177,7 +177,7 @@ class Load:
 @contextlib.contextmanager
 def frozen(*runtimes):
     """Engine steps paused (ops still run between the loop's turns): a moment that holds."""
-    cores = [r.worker.engine.engine for r in runtimes]
+    cores = [r.worker.engine.engine_core for r in runtimes]
     for core in cores:
         step = core.step
 

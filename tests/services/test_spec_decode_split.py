@@ -63,7 +63,7 @@ async def test_split_with_speculation_matches_engine(spec_cluster, reference_llm
     assert registry.get_sample_value("pdserve_spec_decode_num_draft_tokens_total",
                                      labels) > drafted
     # Speculation runs on the decode side only.
-    assert spec_cluster.prefill.worker.engine.engine.speculative_config is None
+    assert spec_cluster.prefill.worker.engine.engine_core.speculative_config is None
     drafts = registry.get_sample_value("pdserve_spec_decode_num_draft_tokens_total", labels)
     accepted = registry.get_sample_value("pdserve_spec_decode_num_accepted_tokens_total",
                                          labels)
@@ -78,7 +78,7 @@ async def test_split_with_speculation_matches_engine(spec_cluster, reference_llm
     assert per_pos["0"] == first
     prefill_state, decode_state = await wait_leak_free(spec_cluster)
     assert decode_state.num_used_blocks == 0 and decode_state.invariants_ok
-    draft_kv = getattr(spec_cluster.decode.worker.engine.engine.drafter, "kv", None)
+    draft_kv = getattr(spec_cluster.decode.worker.engine.engine_core.drafter, "kv", None)
     if draft_kv is not None:  # the draft model's own pool
         assert not draft_kv.seqs
         assert draft_kv.num_free_blocks == draft_kv.block_pool.num_gpu_blocks - 1

@@ -70,7 +70,7 @@ def engine(async_engine):
 
 
 async def test_abort_mid_prefill_drops_the_remaining_chunks(engine):
-    core = engine.engine
+    core = engine.engine_core
     gate = engine.fault_hook = StepGate(hold_at=3)
     request = _request("long", PROMPT)
     consumer = asyncio.ensure_future(_collect(engine, request))
@@ -94,7 +94,7 @@ async def test_abort_mid_prefill_drops_the_remaining_chunks(engine):
 
 
 async def test_a_consumer_that_stops_mid_prefill_aborts_it_the_same_way(engine):
-    core = engine.engine
+    core = engine.engine_core
     gate = engine.fault_hook = StepGate(hold_at=2)
     request = _request("cancelled", PROMPT)
     consumer = asyncio.ensure_future(_collect(engine, request))
@@ -112,7 +112,7 @@ async def test_a_consumer_that_stops_mid_prefill_aborts_it_the_same_way(engine):
 
 
 async def test_abort_racing_with_the_finishing_step_is_safe(engine):
-    core = engine.engine
+    core = engine.engine_core
     gate = engine.fault_hook = StepGate(hold_at=0)
     request = _request("short", CHUNK - 8, max_tokens=1)  # one chunk finishes it
     consumer = asyncio.ensure_future(_collect(engine, request))
