@@ -12,7 +12,7 @@ directly every `--probe-interval-s` (Abort of an unknown id, GetState, health Ch
     .venv/bin/python benchmarks/abort_storm.py --requests 1000     # the issue's storm
     .venv/bin/python benchmarks/abort_storm.py --requests 100      # a quick look
 
-Prints one JSON object: failed control calls (the gateway's Abort / ReleaseKV by gRPC
+Prints one JSON object: failed control calls (the gateway's Abort / SetPaused by gRPC
 status, `pdserve_gateway_control_calls_total`) and the gateway's Abort latency p50 / p99 (the
 upper bound of the histogram bucket `pdserve_gateway_control_call_seconds` holding it), the
 probes' exact latencies, prompt tokens computed after their request's abort had arrived
@@ -246,9 +246,6 @@ async def storm(args: argparse.Namespace, stack: Stack, token: str) -> dict:
         "gateway_abort_latency_bucket_s": {
             "p50_le": bucket_quantile(seconds, "Abort", 0.5),
             "p99_le": bucket_quantile(seconds, "Abort", 0.99)},
-        "gateway_release_kv_latency_bucket_s": {
-            "p50_le": bucket_quantile(seconds, "ReleaseKV", 0.5),
-            "p99_le": bucket_quantile(seconds, "ReleaseKV", 0.99)},
         "probes": probe_report,
         "prompt_tokens_after_abort": int(after_abort),
         "prompt_tokens_after_abort_pct": round(100 * after_abort / max(prompt_tokens, 1), 3),

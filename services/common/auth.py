@@ -1,7 +1,8 @@
-"""The internal token: prefill and decode refuse PrefillService / DecodeService calls that
-lack it (grpc.aio server interceptor); grpc.health.v1 stays open for probes.
+"""Internal gRPC: the one way to open a channel to a prefill or decode instance, and the
+internal token, which prefill and decode require on PrefillService / DecodeService calls
+(grpc.aio server interceptor); grpc.health.v1 stays open for probes.
 
-    client metadata:  authorization: Bearer <token>
+    client metadata:  x-request-id: <id> (optional), authorization: Bearer <token>
     missing / wrong:  UNAUTHENTICATED "missing or invalid internal token ..." (the handler
                       never runs, the request message is not deserialized)
 """
@@ -13,15 +14,43 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from shared.config import (
+    MAX_GRPC_MESSAGE_BYTES,
+    grpc_keepalive_channel_options,
+    grpc_reconnect_options,
+)
+
 AUTH_METADATA_KEY = "authorization"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 """Method prefixes that need no token (docker and launcher health probes)."""
+Metadata = tuple[tuple[str, str], ...]
 
 
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata a client adds to every call: `(("authorization", "Bearer <token>"),)`,
-    or () without a token."""
-    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+def channel_options(max_message_bytes: int = MAX_GRPC_MESSAGE_BYTES,
+                    keepalive_s: float | None = None) -> list[tuple[str, int]]:
+    """Message limits (bytes, both ways), reconnect backoff (GRPC_RECONNECT_BACKOFF_MS) and a
+    keepalive ping every `keepalive_s` s (default GRPC_KEEPALIVE_S): shared/config.py."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            *grpc_reconnect_options(), *grpc_keepalive_channel_options(keepalive_s)]
+
+
+def internal_channel(address: str, **options) -> grpc.aio.Channel:
+    """A channel to a prefill or decode instance (`host:port`) with `channel_options(**options)`;
+    every call on it sends `call_metadata(token, ...)`."""
+    return grpc.aio.insecure_channel(address, options=channel_options(**options))
+
+
+def internal_sync_channel(address: str) -> grpc.Channel:
+    """The blocking twin of `internal_channel` (the launcher's and the CLI's health probes)."""
+    return grpc.insecure_channel(address, options=channel_options())
+
+
+def call_metadata(token: str | None, request_id: str | None = None) -> Metadata:
+    """`x-request-id` (the HTTP request's, for the instances' logs) when given, then
+    `authorization: Bearer <token>` when there is a token."""
+    rid = (("x-request-id", request_id),) if request_id is not None else ()
+    return rid + ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else rid
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

@@ -29,15 +29,11 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common.auth import auth_metadata
+from services.common.auth import call_metadata, internal_channel
 from services.common.config import ServiceConfig
 from services.common.errors import ServiceError
 from services.common.metrics import ServiceMetrics
-from shared.config import (
-    GRPC_RECONNECT_BACKOFF_MS,
-    grpc_keepalive_channel_options,
-    grpc_reconnect_options,
-)
+from shared.config import GRPC_RECONNECT_BACKOFF_MS
 from shared.kv_transfer.codec import (
     KVCaches,
     KVChunkData,
@@ -68,19 +64,13 @@ class KVFetcher:
         self.config = config
         self.metrics = metrics
         self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.PrefillServiceStub]] = {}
-        self._auth = auth_metadata(config.internal_token)
         self.in_flight: dict[str, tuple[str, int, float]] = {}
         """request_id -> (prefill address, blocks, monotonic start) of fetches running now."""
-
-    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
-        return (("x-request-id", request_id),) + self._auth
 
     def _stub(self, address: str) -> engine_pb2_grpc.PrefillServiceStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, options=[
-                *self.config.grpc_options(), *grpc_keepalive_channel_options(),
-                *grpc_reconnect_options()])
+            channel = internal_channel(address, max_message_bytes=self.config.max_message_bytes)
             entry = self._stubs[address] = (channel, engine_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 
@@ -132,7 +122,8 @@ class KVFetcher:
                           tracker: TransferTracker, dst: dict[int, int]) -> None:
         call = self._stub(address).FetchKV(
             pb.FetchKVRequest(request_id=request_id, block_indices=block_indices),
-            timeout=self.config.kv_transfer_timeout, metadata=self._metadata(request_id))
+            timeout=self.config.kv_transfer_timeout,
+            metadata=call_metadata(self.config.internal_token, request_id))
         try:
             async for chunk in call:
                 if chunk.request_id != request_id:
@@ -160,7 +151,7 @@ class KVFetcher:
         try:
             await self._stub(handle.prefill_address).ReleaseKV(
                 pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout,
-                metadata=self._metadata(request_id))
+                metadata=call_metadata(self.config.internal_token, request_id))
         except grpc.aio.AioRpcError as e:
             logger.warning("[%s] ReleaseKV on %s failed: %s %s", request_id,
                            handle.prefill_address, e.code().name, e.details())

@@ -3,7 +3,7 @@
     CORSMiddleware (preflights answered here, no key needed)
     GatewayMiddleware (request id, API key, metrics)
       └─ routes ─▶ CompletionServing / ChatServing / TokenizationServing
-                     └─ ServingEngine (placement + EngineBackend gRPC channels)
+                     └─ EngineClient (placement, failover, ChannelPool gRPC channels)
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
 from services.gateway.admission import AdmissionQueue
-from services.gateway.backend import EngineBackend
+from services.gateway.channel_pool import ChannelPool
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import GatewayError
+from services.gateway.failover import EngineClient
 from services.gateway.federation import MetricsFederation
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import GatewayMiddleware
 from services.gateway.placement import InstanceRegistry, Placer
 from services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
-from services.gateway.serving import ServingEngine
 from services.gateway.serving_chat import ChatServing
 from services.gateway.serving_completion import CompletionServing
 from services.gateway.serving_tokenization import TokenizationServing
@@ -42,8 +42,8 @@ class Gateway:
 
     config: GatewayConfig
     tokenizer: GatewayTokenizer
-    backend: EngineBackend
-    engine: ServingEngine
+    channels: ChannelPool
+    engine: EngineClient
     metrics: GatewayMetrics
     completion: CompletionServing
     chat: ChatServing
@@ -63,29 +63,29 @@ def _connect_registry(config: GatewayConfig):
     return PrefixIndex(config.redis_url, config.served_model_name)
 
 
-def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
+def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
               registry: InstanceRegistry | None = None) -> Starlette:
-    """The gateway app. `backend` and `registry` are injectable (tests, other transports);
+    """The gateway app. `channels` and `registry` are injectable (tests, other transports);
     by default gRPC channels to the configured instances and the Redis prefix index."""
     tokenizer = GatewayTokenizer(load_tokenizer(config.tokenizer or config.model_path),
                                  chat_template=config.chat_template)
-    backend = backend or EngineBackend(config.request_timeout, config.rpc_timeout,
+    channels = channels or ChannelPool(config.request_timeout, config.rpc_timeout,
                                        config.internal_token)
     owned_registry = _connect_registry(config) if registry is None else None
     registry = registry if registry is not None else owned_registry
     placer = Placer(config.prefill_urls, config.decode_urls, registry,
                     config.local_prefill_threshold)
-    engine = ServingEngine(config, backend, placer)
+    engine = EngineClient(config, channels, placer)
     metrics = GatewayMetrics()
     metrics.registry.register(engine.failover_stats)
-    metrics.registry.register(backend.control_calls)
+    metrics.registry.register(channels.control_calls)
     admission = AdmissionQueue(config.max_num_queued_requests, config.max_queued_tokens,
                                metrics.registry)
     shutdown = ShutdownNotice()
     chat = ChatServing(config, engine, tokenizer, metrics, admission, shutdown)
     federation = MetricsFederation(metrics.registry, registry, config.metrics_compat,
                                    config.served_model_name)
-    gateway = Gateway(config, tokenizer, backend, engine, metrics,
+    gateway = Gateway(config, tokenizer, channels, engine, metrics,
                       CompletionServing(config, engine, tokenizer, metrics, admission,
                                         shutdown),
                       chat, TokenizationServing(chat), int(time.time()), federation, shutdown)
@@ -102,7 +102,7 @@ def build_app(config: GatewayConfig, backend: EngineBackend | None = None,
         yield
         await federation.close()
         await engine.close()
-        await backend.close()
+        await channels.close()
         tokenizer.close()
         if owned_registry is not None:
             await owned_registry.close()

@@ -52,7 +52,7 @@ class GatewayConfig:
     request_timeout: float = 600.0
     """Deadline of the Prefill and Generate calls, seconds."""
     rpc_timeout: float = 5.0
-    """Deadline of the small calls (Abort, ReleaseKV, GetState, health checks), seconds."""
+    """Deadline of the small calls (Abort, SetPaused, GetState, health checks), seconds."""
     max_body_size: int = 16 << 20
     """Largest accepted request body, bytes (413 above)."""
     max_n: int = 128
@@ -138,10 +138,6 @@ class GatewayConfig:
     def api_keys(self) -> tuple[str, ...]:
         """The accepted API keys, deduplicated, in order (empty: no authentication)."""
         return split_api_keys(self.api_key)
-
-    @property
-    def has_backends(self) -> bool:
-        return bool(self.prefill_urls or self.decode_urls or self.redis_url)
 
 
 def _env(name: str, default):

@@ -1,8 +1,8 @@
 """ControlCallStats: outcomes and latencies of the gateway's fire-and-forget control calls.
 
-`Abort` and `ReleaseKV` run in the background (EngineBackend.abort_soon / release_kv_soon):
-nobody waits for them, so a failed one shows only here and in the log; so does a failed
-`SetPaused` (engine-side backpressure: the stream stays unpaused, and is asked again). Exposed as
+`Abort` runs in the background (ChannelPool.abort_soon): nobody waits for it, so a failed
+one shows only here and in the log; so does a failed `SetPaused` (engine-side backpressure:
+the stream stays unpaused, and is asked again). Exposed as
 `pdserve_gateway_control_calls_total{method,code}` (code: OK or the gRPC status name) and
 `pdserve_gateway_control_call_seconds{method}` (a histogram).
 """

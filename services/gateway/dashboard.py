@@ -88,7 +88,7 @@ async def snapshot_all(gw, interval: float) -> dict:
     """{"object": "dashboard_snapshot", "instances": [frame or {address, role, error}]}."""
 
     async def first(role: str, address: str) -> dict:
-        call = gw.backend.watch_state(address, role, interval)
+        call = gw.channels.watch_state(address, role, interval)
         try:
             frame = await asyncio.wait_for(anext(aiter(call)), SNAPSHOT_TIMEOUT_S)
             return frame_json(frame, address, role)
@@ -123,7 +123,7 @@ async def _sse(gw, interval: float) -> AsyncIterator[str]:
 
     async def watch(role: str, address: str) -> None:
         while True:
-            call = gw.backend.watch_state(address, role, interval)
+            call = gw.channels.watch_state(address, role, interval)
             try:
                 async for frame in call:
                     if not put("frame", frame_json(frame, address, role)):

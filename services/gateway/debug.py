@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from services.gateway.admin import require_admin
-from services.gateway.backend import EngineBackend
+from services.gateway.channel_pool import ChannelPool
 from services.gateway.placement import Placer
 
 STATE_FIELDS = ("instance_id", "num_gpu_blocks", "num_free_blocks", "num_cached_blocks",
@@ -39,7 +39,7 @@ STATE_FIELDS = ("instance_id", "num_gpu_blocks", "num_free_blocks", "num_cached_
 _COUNT_FIELDS = [f for f in STATE_FIELDS if f.startswith("num_")]
 
 
-async def audit_instances(placer: Placer, backend: EngineBackend) -> dict:
+async def audit_instances(placer: Placer, channels: ChannelPool) -> dict:
     """The audit report (shape in the module docstring) of every instance `placer` knows.
 
     Raises:
@@ -48,7 +48,7 @@ async def audit_instances(placer: Placer, backend: EngineBackend) -> dict:
     targets = [(role, address) for role in ("prefill", "decode")
                for address in await placer.addresses(role)]
     replies = await asyncio.gather(
-        *(backend.get_state(address, role, check_invariants=True) for role, address in targets),
+        *(channels.get_state(address, role, check_invariants=True) for role, address in targets),
         return_exceptions=True)
     instances = []
     for (role, address), reply in zip(targets, replies, strict=True):
@@ -72,4 +72,4 @@ async def audit_instances(placer: Placer, backend: EngineBackend) -> dict:
 async def kv_audit(request: Request) -> Response:
     require_admin(request)
     gw = request.app.state.gateway
-    return JSONResponse(await audit_instances(gw.engine.placer, gw.backend))
+    return JSONResponse(await audit_instances(gw.engine.placer, gw.channels))

@@ -1,42 +1,43 @@
-"""What the gateway's failover decides with: which engine statuses are worth another
-instance, the failure of one placement, the counters, and when a retry is pointless.
+"""EngineClient: the split engine as the OpenAI handlers (serving.py) see it, as vLLM's:
+`generate` is the failover loop; `engine_info` and `is_healthy` ask health.py.
 
-See services/gateway/serving.py (ServingEngine.generate) for the flow.
+    generate ─▶ place ─▶ prefill_then_decode (prefill_decode.py: one placement) ─▶ outputs
+                  ▲            │ AttemptFailed: mark the instance failed, avoid it
+                  └────────────┘ (up to --max-request-retries; a full decode: wait, outside it)
+
+A failed Prefill goes to another prefill instance or to a decode instance that prefills
+itself. A broken decode stream continues on another decode instance with `output_token_ids`
+= every token already handed out: that instance prefills prompt + those tokens and streams
+only the tokens after them, so the consumer sees no gap and no repeat (greedy output is
+token-identical). Each retry runs under the id `<engine id>-retry<k>`. With the budget spent
+or no decode instance left: GatewayError 503 (mid-stream: an error event).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
-import grpc
 from prometheus_client.core import CounterMetricFamily
 
+from services.gateway.channel_pool import ChannelPool
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import GatewayError, no_backend
+from services.gateway.health import EngineInfo, HealthTracker, discover_engine
+from services.gateway.placement import Placer
+from services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
 from shared.proto import engine_pb2
+from shared.stop_rules import at_length_limit
 
-_CODE = grpc.StatusCode
-INSTANCE_FAILED = frozenset({_CODE.UNAVAILABLE, _CODE.CANCELLED, _CODE.INTERNAL,
-                             _CODE.UNKNOWN})
-"""Statuses that say the instance itself is unwell (gone, crashed, broke the stream): it is
-marked failed and skipped until a health check says SERVING again. A CANCELLED we caused
-never shows up as a status: our own cancel raises asyncio.CancelledError."""
-TRANSFER_FAILED = frozenset({_CODE.ABORTED, _CODE.DATA_LOSS, _CODE.NOT_FOUND})
-"""Generate statuses of a failed KV transfer (pin expired or released, a bad chunk): worth
-another placement, but no verdict on any instance's health."""
-RETRIABLE_PREFILL = INSTANCE_FAILED
-"""Prefill statuses worth another placement. ABORTED is not one: it means the request was
-aborted (an Abort call), and retrying would defeat the abort."""
-RETRIABLE_GENERATE = INSTANCE_FAILED | TRANSFER_FAILED
-"""Generate statuses worth another placement."""
+logger = logging.getLogger(__name__)
+
 OVERLOAD_BACKOFF_S = (0.25, 0.5, 1.0, 2.0)
 """Waits before placing again a started stream whose decode instance was full (then 2 s)."""
 OVERLOAD_MAX_WAIT_S = 60.0
 """How long a started stream keeps waiting for room on a decode instance before a 503."""
-
-
-def is_overloaded(error: grpc.aio.AioRpcError) -> bool:
-    """A decode instance's admission queue is full (not a message over the size limit)."""
-    return error.code() == _CODE.RESOURCE_EXHAUSTED and \
-        "larger than max" not in (error.details() or "")
 
 
 @dataclass(slots=True, eq=False)  # hashable: registered as a Prometheus collector
@@ -64,33 +65,136 @@ class FailoverStats:
         family.add_metric(["overload_wait"], self.overload_waits)
         yield family
 
-    def count_retry(self, failure: AttemptFailed, num_output_tokens: int) -> None:
-        if failure.role == "decode" and num_output_tokens:
-            self.decode_failovers += 1
-        else:
-            self.prefill_retries += 1
 
+class EngineClient:
+    def __init__(self, config: GatewayConfig, channels: ChannelPool, placer: Placer,
+                 health: HealthTracker | None = None) -> None:
+        """Without `health`, a HealthTracker of the placer's instances is made (and given to
+        the placer, when it has no health view of its own)."""
+        self.config = config
+        self.channels = channels
+        self.placer = placer
+        self.health = health or HealthTracker(channels, self._all_addresses,
+                                              config.health_check_interval, config.rpc_timeout)
+        if placer.health is None:
+            placer.health = self.health
+        self.failover_stats = FailoverStats()
+        self._info: EngineInfo | None = None
 
-class AttemptFailed(Exception):
-    """One placement of an engine request failed in a way another placement may not."""
+    async def _addresses(self) -> tuple[list[str], list[str]]:
+        return await asyncio.gather(self.placer.addresses("prefill"),
+                                    self.placer.addresses("decode"))
 
-    def __init__(self, address: str, role: str, error: grpc.aio.AioRpcError | str,
-                 overloaded: bool = False) -> None:
-        self.instance_failed = not overloaded and (not isinstance(error, grpc.aio.AioRpcError)
-                                                   or error.code() in INSTANCE_FAILED)
-        """Mark `address` failed in the health tracker (False: only this request failed)."""
-        self.overloaded = overloaded
-        """The instance was full: wait, then place again (outside the retry budget)."""
-        if isinstance(error, grpc.aio.AioRpcError):
-            error = f"{error.code().name}: {error.details()}"
-        super().__init__(f"{role} {address}: {error}")
-        self.address = address
-        self.role = role
+    async def _all_addresses(self) -> list[str]:
+        prefill, decode = await self._addresses()
+        return prefill + decode
 
+    async def close(self) -> None:
+        await self.health.close()  # the polling
 
-def at_length_limit(params: engine_pb2.SamplingParams, max_model_len: int,
-                    num_prompt_tokens: int, num_output_tokens: int) -> bool:
-    """Would the engine refuse to go on (max_tokens or max_model_len already reached)?
-    max_tokens counts every output token (proto: 0 means up to max_model_len)."""
-    return (bool(params.max_tokens) and num_output_tokens >= params.max_tokens) or \
-        num_prompt_tokens + num_output_tokens >= max_model_len
+    async def engine_info(self) -> EngineInfo:
+        """What the instances report (health.discover_engine), asked until one answers; the
+        flags meanwhile.
+
+        Raises:
+            GatewayError: 503 when nothing answers and no --max-model-len was given.
+        """
+        if self._info is None:
+            cfg = self.config
+            info = await discover_engine(cfg, self.channels, *await self._addresses())
+            if info is None:
+                if not cfg.max_model_len:
+                    raise no_backend()
+                return EngineInfo(cfg.max_model_len, cfg.block_size, cfg.served_model_name)
+            self._info = info
+            logger.info("engine: %s", info)
+        return self._info
+
+    async def is_healthy(self) -> bool:
+        """At least one prefill and one decode instance answer SERVING (HealthTracker)."""
+        return await self.health.is_healthy(*await self._addresses())
+
+    async def generate(self, engine_request_id: str, prompt_token_ids: list[int],
+                       params: engine_pb2.SamplingParams, *, cache_salt: str | None,
+                       request_id: str) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs for one request, ending with the one that has a finish; only
+        the first output carries num_cached_tokens.
+
+        Raises:
+            GatewayError: 503 when no decode instance is usable or the retry budget is spent;
+                the mapped status of a non-retriable engine error (400, 429, 504, ...).
+        """
+        info = await self.engine_info()
+        self.health.ensure_started()
+        max_retries, stats = self.config.max_request_retries, self.failover_stats
+        output_token_ids: list[int] = []
+        avoid: list[str] = []
+        num_retries = 0
+        overload_waits: list[float] = []
+        retrying: AttemptFailed | None = None  # counted once placed again
+        cached_reported = False
+        while True:
+            if output_token_ids and at_length_limit(params, info.max_model_len,
+                                                    len(prompt_token_ids), len(output_token_ids)):
+                yield EngineOutput([], [], engine_pb2.FINISH_REASON_LENGTH, None)
+                return
+            placement = await self.placer.place(
+                prompt_token_ids, model_name=info.model_name, block_size=info.block_size,
+                cache_salt=cache_salt, avoid=avoid, local_prefill=bool(output_token_ids),
+                quantization=info.quantization)
+            if placement is None:
+                if num_retries:
+                    stats.exhausted += 1
+                    raise no_backend(f"request {engine_request_id} failed and no other decode "
+                                     "instance is live")
+                raise no_backend("no decode instance is configured or live")
+            if retrying is not None:
+                if retrying.role == "decode" and output_token_ids:
+                    stats.decode_failovers += 1
+                else:
+                    stats.prefill_retries += 1
+                logger.warning("[%s] %s failed (%s); retry %d/%d on %s with %d tokens done",
+                               request_id, engine_request_id, retrying, num_retries,
+                               max_retries, placement.decode_address,
+                               len(output_token_ids))
+                retrying = None
+            decode_req = engine_pb2.DecodeRequest(
+                request_id=f"{engine_request_id}-retry{num_retries}" if num_retries
+                else engine_request_id, prompt_token_ids=prompt_token_ids,
+                output_token_ids=output_token_ids, sampling_params=params,
+                cache_salt=cache_salt or "")
+            try:
+                async with aclosing(prefill_then_decode(self.channels, self.placer, placement,
+                                                        decode_req, request_id)) as outputs:
+                    async for out in outputs:
+                        if cached_reported:
+                            out = out._replace(num_cached_tokens=None)
+                        cached_reported = cached_reported or out.num_cached_tokens is not None
+                        output_token_ids.extend(out.token_ids)
+                        yield out
+                return
+            except AttemptFailed as failure:
+                if failure.overloaded:
+                    wait = OVERLOAD_BACKOFF_S[min(len(overload_waits),
+                                                  len(OVERLOAD_BACKOFF_S) - 1)]
+                    if sum(overload_waits) + wait > OVERLOAD_MAX_WAIT_S:
+                        stats.exhausted += 1
+                        raise GatewayError(f"Service unavailable: {failure} for "
+                                           f"{sum(overload_waits):.0f} s.", 503) from None
+                    overload_waits.append(wait)
+                    logger.info("[%s] %s: decode full, placing again in %.2f s",
+                                request_id, engine_request_id, wait)
+                    stats.overload_waits += 1
+                    avoid.append(failure.address)  # another decode instance if one has room
+                    await asyncio.sleep(wait)
+                    continue
+                if failure.instance_failed:
+                    self.health.mark_failed(failure.address)
+                avoid.append(failure.address)
+                if num_retries >= max_retries:
+                    stats.exhausted += 1
+                    raise GatewayError(
+                        f"Service unavailable: {failure} (retried {num_retries} times).",
+                        503) from None
+                num_retries += 1
+                retrying = failure

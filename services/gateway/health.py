@@ -1,4 +1,5 @@
-"""HealthTracker: the gateway's view of which prefill and decode instances can take work.
+"""The gateway's view of the engine: which prefill and decode instances can take work
+(HealthTracker), and what the engine is (EngineInfo, from the instances' GetState).
 
     poll loop (every health_check_interval s, started lazily on the running loop)
       └─ grpc.health.v1 Check("") of every known instance, one call in flight per address
@@ -25,10 +26,14 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import NamedTuple
 
+import grpc
 from grpc_health.v1 import health_pb2
 
-from services.gateway.backend import EngineBackend
+from services.gateway.channel_pool import ChannelPool
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import no_backend
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ MISSES_UNTIL_UNREACHABLE = 2
 """Unanswered polls in a row before a SERVING instance counts as UNREACHABLE."""
 FORGET_AFTER_S = 30.0
 """Seconds an address may be missing from `instances()` before its status is dropped."""
+HEALTH_ROUTE_BOUND = 0.5
+"""Seconds /health waits for live checks before it uses the last known states."""
 
 
 class InstanceStatus(enum.Enum):
@@ -52,11 +59,11 @@ class InstanceStatus(enum.Enum):
 
 
 class HealthTracker:
-    def __init__(self, backend: EngineBackend, instances: Callable[[], Awaitable[list[str]]],
+    def __init__(self, channels: ChannelPool, instances: Callable[[], Awaitable[list[str]]],
                  interval: float = 1.0, check_timeout: float = 5.0) -> None:
         """`instances()` lists every address to poll (prefill and decode);
         `check_timeout`: seconds a polled instance has to answer before it is UNREACHABLE."""
-        self.backend = backend
+        self.channels = channels
         self.instances = instances
         self.interval = interval
         self.check_timeout = check_timeout
@@ -97,6 +104,17 @@ class HealthTracker:
         if tasks:
             await asyncio.wait(tasks, timeout=bound)
 
+    async def is_healthy(self, prefill: list[str], decode: list[str]) -> bool:
+        """At least one prefill and one decode instance answer SERVING: each is checked live,
+        but for at most HEALTH_ROUTE_BOUND s (one that has not answered by then counts with
+        its last known status)."""
+        self.ensure_started()
+        if not prefill or not decode:
+            return False
+        await self.refresh(prefill + decode, HEALTH_ROUTE_BOUND)
+        return any(self.status(a) is InstanceStatus.SERVING for a in prefill) and \
+            any(self.status(a) is InstanceStatus.SERVING for a in decode)
+
     async def close(self) -> None:
         self._closed = True
         tasks = [t for t in (self._poller, *self._tasks) if t is not None]
@@ -118,7 +136,7 @@ class HealthTracker:
     async def _run_check(self, address: str) -> None:
         started = time.monotonic()
         try:
-            status = await self.backend.health_status(address, self.check_timeout)
+            status = await self.channels.health_status(address, self.check_timeout)
         except Exception as e:  # e.g. the channel is being closed: count it as no answer
             logger.debug("health check of %s failed: %r", address, e)
             status = None
@@ -155,7 +173,7 @@ class HealthTracker:
         now, listed_set = time.monotonic(), set(listed)
         for address in [a for a in self._status if a not in listed_set]:
             since = self._missing_since.setdefault(address, now)
-            if now - since >= FORGET_AFTER_S and self.backend.forget(address):
+            if now - since >= FORGET_AFTER_S and self.channels.forget(address):
                 for known in (self._status, self._missing_since, self._failed_at, self._misses):
                     known.pop(address, None)
                 logger.info("instance %s: gone from the registry for %.0f s, forgotten",
@@ -173,3 +191,48 @@ class HealthTracker:
             except Exception:  # the registry may be down: keep polling what we can
                 logger.exception("health poll failed")
             await asyncio.sleep(self.interval)
+
+
+class EngineInfo(NamedTuple):
+    max_model_len: int
+    block_size: int
+    model_name: str
+    """The engine's served model name and weight quantization: prefix-hash extra keys."""
+    quantization: str = "none"
+
+
+async def discover_engine(config: GatewayConfig, channels: ChannelPool, prefill: list[str],
+                          decode: list[str]) -> EngineInfo | None:
+    """max_model_len and block size from the GetState of the instances (the flags win); None
+    when none of them answers.
+
+    Raises:
+        GatewayError: 503 when no instance reports max_model_len and no flag gives it.
+    """
+    targets = [("decode", a) for a in decode] + [("prefill", a) for a in prefill]
+    replies = await asyncio.gather(*(channels.get_state(a, r) for r, a in targets),
+                                   return_exceptions=True)
+    states = []
+    for (role, address), reply in zip(targets, replies):
+        if isinstance(reply, grpc.aio.AioRpcError):  # UNAVAILABLE: loading (every start)
+            (logger.debug if reply.code() == grpc.StatusCode.UNAVAILABLE else logger.warning)(
+                "GetState on %s %s failed: %s", role, address, reply.code().name)
+        elif isinstance(reply, BaseException):
+            raise reply
+        else:
+            states.append(reply)
+    if not states:
+        return None
+    reported = [s.max_model_len for s in states if s.max_model_len > 0]
+    max_model_len = config.max_model_len or (min(reported) if reported else 0)
+    if not max_model_len:
+        raise no_backend("the instances do not report max_model_len")
+    if reported and max_model_len > min(reported):
+        logger.warning("--max-model-len %d exceeds the engine's %d", max_model_len,
+                       min(reported))
+    model_name = states[0].model or config.served_model_name
+    if model_name != config.served_model_name:
+        logger.warning("the engine serves %r, the gateway %r: routing hashes use %r",
+                       model_name, config.served_model_name, model_name)
+    return EngineInfo(max_model_len, states[0].block_size or config.block_size, model_name,
+                      states[0].quantization or "none")

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.gateway.backend import EngineOutput
 from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from services.gateway.errors import GatewayError
+from services.gateway.prefill_decode import EngineOutput
 from services.gateway.stop_checker import StopChecker, StopTable
 from shared.proto import engine_pb2
 

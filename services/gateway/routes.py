@@ -20,7 +20,7 @@ from services.gateway.protocol import (
     TokenizeRequest,
     parse_request,
 )
-from services.gateway.serving import ClientDisconnected
+from services.gateway.streams import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ async def detokenize(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """200 only when at least one prefill and one decode instance are SERVING (live checks
-    bounded to serving.HEALTH_ROUTE_BOUND s, then the health tracker's last known states)."""
+    bounded to health.HEALTH_ROUTE_BOUND s, then the health tracker's last known states)."""
     healthy = await request.app.state.gateway.engine.is_healthy()
     return Response(status_code=200 if healthy else 503)
 

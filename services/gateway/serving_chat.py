@@ -22,7 +22,7 @@ from services.gateway.sampling import (
     check_logprobs,
     resolve_max_tokens,
 )
-from services.gateway.serving_base import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
+from services.gateway.serving import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
 from services.gateway.structured_outputs import resolve_structured_outputs
 from services.gateway.tenancy import request_cache_salt
 from services.gateway.tool_parser import ToolCallStream, extract_tool_calls

@@ -20,7 +20,7 @@ from services.gateway.sampling import (
     check_token_ids,
     resolve_max_tokens,
 )
-from services.gateway.serving_base import (
+from services.gateway.serving import (
     ChoiceRun,
     OpenAIServing,
     PromptInput,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from services.gateway.errors import GatewayError
+from services.gateway.streams import cancel_and_wait, run_unless
 
 _T = TypeVar("_T")
 
@@ -59,20 +60,7 @@ class ShutdownNotice:
         """`awaitable`'s result, or ServerShutdown when the grace period ends first."""
         if self.is_cut:
             raise ServerShutdown()
-        task = asyncio.ensure_future(awaitable)
-        cut = asyncio.ensure_future(self.wait())
-        try:
-            await asyncio.wait((task, cut), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            await _cancel_and_wait(task)
-            raise
-        finally:
-            cut.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ServerShutdown()
+        return await run_unless(awaitable, self.wait(), ServerShutdown)
 
     async def until_cut(self, items: AsyncIterator[_T]) -> AsyncIterator[_T]:
         """`items` until they end, or ServerShutdown when the grace period ends first.
@@ -90,11 +78,10 @@ class ShutdownNotice:
                     # NOTE: wait for the cancelled `anext` to end: until then `items` is still
                     # running and the caller's aclose() of it (which aborts the engine
                     # requests of a client that left) fails with RuntimeError.
-                    await _cancel_and_wait(task)
+                    await cancel_and_wait(task)
                     raise
                 if not task.done():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+                    await cancel_and_wait(task)
                     raise ServerShutdown()
                 try:
                     item = task.result()
@@ -103,9 +90,3 @@ class ShutdownNotice:
                 yield item
         finally:
             cut.cancel()
-
-
-async def _cancel_and_wait(task: asyncio.Future) -> None:
-    """Cancel `task` and wait until it has ended (its result or error dropped)."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)

@@ -41,13 +41,11 @@ class GrpcHealth:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from services.common.auth import internal_sync_channel
+
         channel = self._channels.get(address)
-        if channel is None:
-            # NOTE: a restarted engine should be seen within a second or two, not after
-            # gRPC's default reconnect backoff (up to 120 s).
-            channel = self._channels[address] = grpc.insecure_channel(address, options=[
-                ("grpc.initial_reconnect_backoff_ms", 250),
-                ("grpc.max_reconnect_backoff_ms", 1000)])
+        if channel is None:  # its reconnect backoff finds a restarted engine within ~2 s
+            channel = self._channels[address] = internal_sync_channel(address)
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout)

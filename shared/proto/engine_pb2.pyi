@@ -186,22 +186,20 @@ class ReleaseKVResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "kv_transfer_params", "cache_salt", "first_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "kv_transfer_params", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     kv_transfer_params: KVTransferParams
     cache_salt: str
-    first_logprobs: TokenLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "num_cached_tokens", "prompt_logprobs")

@@ -109,7 +109,7 @@ async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
         mp.setattr(shared_config, "GRPC_KEEPALIVE_S", KEEPALIVE_S)
         async with running_gateway(model_path, urls,  # type: ignore[arg-type]
                                    rpc_timeout=10.0) as gw:
-            assert gw.app.state.gateway.engine.backend.keepalive_s == KEEPALIVE_S
+            assert gw.app.state.gateway.engine.channels.keepalive_s == KEEPALIVE_S
             yield gw
     print("\nfailover numbers:", json.dumps(NUMBERS))
 
@@ -235,7 +235,7 @@ async def test_frozen_decode_streams_fail_over(gateway, cluster):
     await _until(lambda: engine.health.status(victim.address) is InstanceStatus.SERVING,
                  "the resumed instance to be SERVING", 30)
     deadline = time.monotonic() + 30
-    while (state := await engine.backend.get_state(victim.address, "decode", True)) \
+    while (state := await engine.channels.get_state(victim.address, "decode", True)) \
             .num_used_blocks or state.num_running or state.num_waiting:
         assert time.monotonic() < deadline, state
         await asyncio.sleep(0.1)
@@ -298,7 +298,7 @@ async def test_a_failing_decode_step_fails_its_streams_over(gateway, cluster):
         await _until_async(lambda: _is(victim.address, NOT_SERVING), "NOT_SERVING", 10)
         await _until(lambda: engine.health.status(victim.address)
                      is InstanceStatus.NOT_SERVING, "the gateway to see it", 10)
-        state = await engine.backend.get_state(victim.address, "decode", True)
+        state = await engine.channels.get_state(victim.address, "decode", True)
         assert state.num_used_blocks == state.num_running == 0 and state.invariants_ok
         # Routed around: every new stream completes, none was placed there (any would fail).
         counters = (_stats(gateway).decode_failovers, _stats(gateway).prefill_retries)
@@ -341,7 +341,7 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster, caplog):
         jsonschema.validate(json.loads(r.text), GUIDED_SCHEMA)
 
     victim = cluster.decodes[0]
-    caplog.set_level(logging.WARNING, logger="services.gateway.serving")
+    caplog.set_level(logging.WARNING, logger="services.gateway.failover")
     results = [StreamResult() for _ in PARITY_MESSAGES]
     seeded = [StreamResult() for _ in bodies]
     started = time.monotonic()

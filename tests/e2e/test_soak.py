@@ -177,7 +177,7 @@ async def test_soak_1000_requests_leave_nothing_behind(soak_gateway, redis_clust
     plans = [make_plan(i, rng, model, prefixes, FAULT_RATES, MAX_TOKENS,
                        DISCONNECT_DELAY) for i in range(NUM_REQUESTS)]
     faults = collections.Counter(p.fault for p in plans)
-    spy = EngineIdSpy(soak_gateway.app.state.gateway.backend)
+    spy = EngineIdSpy(soak_gateway.app.state.gateway.channels)
     tally = Tally()
     semaphore = asyncio.Semaphore(CONCURRENCY)
 

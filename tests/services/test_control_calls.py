@@ -1,6 +1,6 @@
 """Control calls get through a busy prefill (issue 13, item 7): with the engine thread held
 inside a step of a long, chunked prompt, Abort (straight and through the gateway's
-EngineBackend), ReleaseKV, GetState and the health check all complete before that step does,
+ChannelPool), ReleaseKV, GetState and the health check all complete before that step does,
 and the instance's registration in Redis outlives a step held past its TTL; the aborted
 prompt's remaining chunks are never computed, the step in flight's chunk is counted by
 pdserve_prompt_tokens_after_abort_total, and no block stays in use or pinned.
@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.backend import EngineBackend
+from services.gateway.channel_pool import ChannelPool
 from shared.proto import engine_pb2 as pb
 from shared.proto import engine_pb2_grpc
 from tests.services.helpers import (
@@ -78,7 +78,7 @@ async def test_control_calls_complete_while_a_step_is_in_flight(prefill):
     assert pinned.HasField("kv_transfer_params")
 
     gate = worker.engine.fault_hook = StepGate(HOLD_AT)
-    backend = EngineBackend(rpc_timeout=RPC_TIMEOUT)
+    backend = ChannelPool(rpc_timeout=RPC_TIMEOUT)
     try:
         long_prefill = asyncio.ensure_future(_prefill(stub, "long", PROMPT, max_tokens=8))
         assert await asyncio.to_thread(gate.entered.wait, 120)

@@ -177,7 +177,7 @@ async def test_a_pause_that_finds_no_request_is_asked_again():
 
 
 async def test_engine_ids_map_back_to_their_streams_prefix():
-    from services.gateway.backend import _ENGINE_ID_RE
+    from services.gateway.channel_pool import _ENGINE_ID_RE
 
     for rid, prefix in (("0a1b-0", "0a1b"), ("0a1b-12-retry2", "0a1b"),
                         ("client-id-1234abcd-3", "client-id-1234abcd"),

@@ -13,7 +13,7 @@ import pytest
 
 from services.gateway import health as health_module
 from services.gateway import placement as placement_module
-from services.gateway.backend import EngineBackend
+from services.gateway.channel_pool import ChannelPool
 from services.gateway.health import HealthTracker, InstanceStatus
 from services.gateway.placement import Placer
 from shared.proto import engine_pb2, engine_pb2_grpc
@@ -156,7 +156,7 @@ async def test_backend_closes_a_forgotten_channel_only_when_no_call_runs():
     engine_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
-    backend = EngineBackend(request_timeout=30, rpc_timeout=5)
+    backend = ChannelPool(request_timeout=30, rpc_timeout=5)
     try:
         call = backend.generate(address, engine_pb2.DecodeRequest(request_id="r"), "r")
         await asyncio.sleep(0.2)
@@ -172,7 +172,7 @@ async def test_backend_closes_a_forgotten_channel_only_when_no_call_runs():
 
 
 async def test_a_failed_prefill_call_counts_as_finished():
-    backend = EngineBackend(request_timeout=2, rpc_timeout=1)
+    backend = ChannelPool(request_timeout=2, rpc_timeout=1)
     try:
         with pytest.raises(grpc.aio.AioRpcError):
             await backend.prefill("127.0.0.1:1", engine_pb2.PrefillRequest(request_id="x"), "x")

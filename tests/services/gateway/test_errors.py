@@ -172,9 +172,9 @@ async def test_engine_status_mapping(gateway, code, status, where, monkeypatch):
     if (where, code) == ("decode", grpc.StatusCode.RESOURCE_EXHAUSTED):
         # A full decode after the prefill's first token: the request waits for room
         # (test_failover_unit.py); here the wait runs out: 503, not a 429.
-        import services.gateway.serving as serving
+        from services.gateway import failover
 
-        monkeypatch.setattr(serving, "OVERLOAD_MAX_WAIT_S", 0.3)
+        monkeypatch.setattr(failover, "OVERLOAD_MAX_WAIT_S", 0.3)
         status = 503
     if (where, code) == ("prefill", grpc.StatusCode.UNAVAILABLE):
         # failover: the decode instance prefills itself (test_failover_unit.py)

@@ -160,9 +160,9 @@ async def test_a_full_decode_makes_a_started_request_wait_not_fail(model_path, c
 
 
 async def test_decodes_full_for_too_long_end_with_503(model_path, cluster2, monkeypatch):
-    import services.gateway.serving as serving
+    from services.gateway import failover
 
-    monkeypatch.setattr(serving, "OVERLOAD_MAX_WAIT_S", 1.0)
+    monkeypatch.setattr(failover, "OVERLOAD_MAX_WAIT_S", 1.0)
     async with running_gateway(model_path, cluster2) as gw:
         for d in cluster2.decodes:
             d.rec.fail_with = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.gateway import serving_base
+from services.gateway import serving
 from services.gateway.admission import AdmissionQueue
 from services.gateway.openapi import openapi_path
 from tests.services.gateway.conftest import running_gateway
@@ -288,14 +288,14 @@ async def test_one_stop_table_per_request_shared_by_its_choices(gateway, monkeyp
     """The defaults' most stop strings (32 x 512 characters), n=16: one table is built."""
     built = []
 
-    class CountingTable(serving_base.StopTable):
+    class CountingTable(serving.StopTable):
         __slots__ = ()
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(serving_base, "StopTable", CountingTable)
+    monkeypatch.setattr(serving, "StopTable", CountingTable)
     stop = [chr(0x4E00 + i) * 512 for i in range(31)] + ["UNO DUE TRE"]
     r = await gateway.http.post(COMPLETIONS, json=completion_body(
         n=16, max_tokens=60, temperature=0, stop=stop))

@@ -41,8 +41,14 @@ async def test_repeated_prefix_goes_to_the_instances_holding_it(make_gateway, fa
         assert len(fakes.prefills[1].rec.requests) == 3 and not fakes.prefills[0].rec.requests
         assert len(fakes.decodes[1].rec.requests) == 3 and not fakes.decodes[0].rec.requests
         # Another prompt: no affinity anywhere, load decides (both idle: the first listed).
-        r = await gw.http.post(COMPLETIONS, json=completion_body([7] * 40, max_tokens=2))
-        assert r.status_code == 200
+        first = [(await index.live_instances(role))[0].address for role in ("prefill", "decode")]
+        before = {s.address: len(s.rec.requests) for s in fakes.prefills + fakes.decodes}
+        r = await gw.http.post(COMPLETIONS, json=completion_body(
+            [7] * 40, max_tokens=2, temperature=0, ignore_eos=True))
+        assert r.status_code == 200, r.text
+        served = [s.address for s in fakes.prefills + fakes.decodes
+                  if len(s.rec.requests) > before[s.address]]
+        assert served == first
     finally:
         await index.close()
         await fakes.stop()

@@ -1,11 +1,12 @@
-"""EngineBackend: the gateway's gRPC client of prefill and decode instances.
+"""ChannelPool: the gateway's channels to prefill and decode instances, one per address.
 
-One channel per address (created lazily, on the running loop), the prefill and decode stubs
-over it, a deadline on every call and `x-request-id` metadata on every call. Every channel
-pings its instance (HTTP/2 keepalive, shared/config.py GRPC_KEEPALIVE_S), so the calls to a
-frozen or partitioned instance fail with UNAVAILABLE within seconds (and fail over) instead of
-hanging until `request_timeout`. The channel of an instance that left the registry is
-closed by `forget` once no Prefill or Generate call runs on it.
+Each channel (services/common/auth.py `internal_channel`: created lazily, on the running
+loop) carries the prefill, decode and health stubs; every call has a deadline and the
+`x-request-id` + token metadata. Every channel pings its instance (HTTP/2 keepalive,
+shared/config.py GRPC_KEEPALIVE_S), so the calls to a frozen or partitioned instance fail with
+UNAVAILABLE within seconds (and fail over) instead of hanging until `request_timeout`. The
+channel of an instance that left the registry is closed by `forget` once no Prefill or
+Generate call runs on it.
 
 Each running Generate call is indexed by its HTTP request's engine prefix (engine request ids
 are `<prefix>-<choice>` or `<prefix>-<choice>-retry<k>`), so `set_paused` can reach every
@@ -15,6 +16,7 @@ decode instance serving one stream (engine-side backpressure, backpressure.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -24,10 +26,9 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.auth import call_metadata, internal_channel
 from services.gateway.control_calls import ControlCallStats
 from shared import config as shared_config
-from shared.config import MAX_GRPC_MESSAGE_BYTES as _MAX_MESSAGE_BYTES
-from shared.config import grpc_keepalive_channel_options, grpc_reconnect_options
 from shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -57,10 +58,10 @@ class _Channel(NamedTuple):
     health: health_pb2_grpc.HealthStub
 
 
-class EngineBackend:
-    """Calls to prefill (Prefill, ReleaseKV, Abort, GetState) and decode (Generate, Abort,
-    GetState) instances by address. Fire-and-forget calls (Abort, ReleaseKV) are tracked so
-    `close()` can let them finish."""
+class ChannelPool:
+    """Calls to prefill (Prefill, Abort, GetState) and decode (Generate, SetPaused, Abort,
+    GetState) instances by address. Fire-and-forget calls (Abort) are tracked so `close()`
+    can let them finish."""
 
     def __init__(self, request_timeout: float = 600.0, rpc_timeout: float = 5.0,
                  internal_token: str | None = None, keepalive_s: float | None = None) -> None:
@@ -68,14 +69,14 @@ class EngineBackend:
         self.rpc_timeout = rpc_timeout
         self.keepalive_s = shared_config.GRPC_KEEPALIVE_S if keepalive_s is None else keepalive_s
         """Seconds between keepalive pings on every channel (default GRPC_KEEPALIVE_S)."""
-        self._auth: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {internal_token}"),) if internal_token else ())
+        self._metadata = functools.partial(call_metadata, internal_token)
+        """(request_id=None) -> the metadata of one call."""
         self._channels: dict[str, _Channel] = {}
         self._background: set[asyncio.Task] = set()
         self._active: Counter[str] = Counter()
         """Prefill and Generate calls in flight per address."""
         self.control_calls = ControlCallStats()
-        """Abort / ReleaseKV / SetPaused outcomes and latencies (a Prometheus collector)."""
+        """Abort / SetPaused outcomes and latencies (a Prometheus collector)."""
         self._decode_calls: dict[str, dict[str, str]] = {}
         """engine prefix -> {engine request id: decode address} of the Generate calls
         running now."""
@@ -83,20 +84,14 @@ class EngineBackend:
     def _get(self, address: str) -> _Channel:
         ch = self._channels.get(address)
         if ch is None:
-            channel = grpc.aio.insecure_channel(address, options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                # A restarted instance is found within seconds, not grpc's default 120 s.
-                *grpc_reconnect_options(),
-                *grpc_keepalive_channel_options(self.keepalive_s),
-            ])
+            channel = internal_channel(address, keepalive_s=self.keepalive_s)
             ch = self._channels[address] = _Channel(
                 channel, engine_pb2_grpc.PrefillServiceStub(channel),
                 engine_pb2_grpc.DecodeServiceStub(channel), health_pb2_grpc.HealthStub(channel))
         return ch
 
-    def _metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
-        return (("x-request-id", request_id),) + self._auth
+    def _stub(self, address: str, role: str):
+        return self._get(address).prefill if role == "prefill" else self._get(address).decode
 
     async def prefill(self, address: str, request: engine_pb2.PrefillRequest,
                       request_id: str) -> engine_pb2.PrefillResponse:
@@ -172,21 +167,16 @@ class EngineBackend:
     async def get_state(self, address: str, role: str,
                         check_invariants: bool = False) -> engine_pb2.EngineState:
         """The instance's EngineState; `check_invariants` also audits its block pool."""
-        stub = self._get(address).prefill if role == "prefill" else self._get(address).decode
-        return await stub.GetState(engine_pb2.GetStateRequest(check_invariants=check_invariants),
-                                   timeout=self.rpc_timeout, metadata=self._auth)
+        return await self._stub(address, role).GetState(
+            engine_pb2.GetStateRequest(check_invariants=check_invariants),
+            timeout=self.rpc_timeout, metadata=self._metadata())
 
     def watch_state(self, address: str, role: str,
                     interval_s: float = 0.0) -> grpc.aio.UnaryStreamCall:
         """The instance's state feed (WatchState: a snapshot, then deltas); no deadline,
         `cancel()` it to stop."""
-        stub = self._get(address).prefill if role == "prefill" else self._get(address).decode
-        return stub.WatchState(engine_pb2.WatchStateRequest(interval_s=interval_s),
-                               metadata=self._auth)
-
-    async def is_serving(self, address: str) -> bool:
-        """grpc.health.v1 Check of the whole server ("" service)."""
-        return await self.health_status(address) == health_pb2.HealthCheckResponse.SERVING
+        return self._stub(address, role).WatchState(
+            engine_pb2.WatchStateRequest(interval_s=interval_s), metadata=self._metadata())
 
     async def health_status(self, address: str, timeout: float | None = None) -> int | None:
         """grpc.health.v1 Check of the whole server ("" service): the
@@ -202,29 +192,16 @@ class EngineBackend:
 
     async def _abort(self, address: str, role: str, engine_request_ids: list[str],
                      request_id: str) -> None:
-        ch = self._get(address)
-        stub = ch.prefill if role == "prefill" else ch.decode
         start, code = time.monotonic(), "OK"
         try:
-            await stub.Abort(engine_pb2.AbortRequest(request_ids=engine_request_ids),
-                             timeout=self.rpc_timeout, metadata=self._metadata(request_id))
+            await self._stub(address, role).Abort(
+                engine_pb2.AbortRequest(request_ids=engine_request_ids),
+                timeout=self.rpc_timeout, metadata=self._metadata(request_id))
         except grpc.aio.AioRpcError as e:
             code = e.code().name
             logger.warning("[%s] Abort on %s %s failed: %s", request_id, role, address, code)
         finally:
             self.control_calls.observe("Abort", code, time.monotonic() - start)
-
-    async def _release_kv(self, address: str, engine_request_id: str, request_id: str) -> None:
-        start, code = time.monotonic(), "OK"
-        try:
-            await self._get(address).prefill.ReleaseKV(
-                engine_pb2.ReleaseKVRequest(request_id=engine_request_id),
-                timeout=self.rpc_timeout, metadata=self._metadata(request_id))
-        except grpc.aio.AioRpcError as e:
-            code = e.code().name
-            logger.warning("[%s] ReleaseKV on %s failed: %s", request_id, address, code)
-        finally:
-            self.control_calls.observe("ReleaseKV", code, time.monotonic() - start)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -235,9 +212,6 @@ class EngineBackend:
                    request_id: str) -> None:
         """Send Abort without waiting (safe inside a cancelled task's cleanup)."""
         self._spawn(self._abort(address, role, engine_request_ids, request_id))
-
-    def release_kv_soon(self, address: str, engine_request_id: str, request_id: str) -> None:
-        self._spawn(self._release_kv(address, engine_request_id, request_id))
 
     async def close(self) -> None:
         if self._background:

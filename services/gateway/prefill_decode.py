@@ -1,0 +1,154 @@
+"""One placement of an engine request, and how its failures are classified.
+
+    prefill.Prefill ──▶ first token ──▶ decode.Generate(kv_transfer_params) ──▶ ...
+       └─ finish_reason set: done (the prefill instance freed the blocks; no decode call)
+    no prefill instance (uncached part < local_prefill_threshold, or a failover):
+       decode.Generate without kv_transfer_params (the decode prefills itself)
+
+Any way out before the engine reports a finish (client gone, stop string hit, error) cancels
+the open call and sends Abort to every instance it touched but the one that failed, so all
+free the request's blocks at once (a prefill instance its pinned KV).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import grpc
+
+from services.gateway.channel_pool import ChannelPool
+from services.gateway.errors import from_grpc_error
+from services.gateway.placement import Placement, Placer
+from shared.proto import engine_pb2
+
+_NOT_FINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
+_CODE = grpc.StatusCode
+INSTANCE_FAILED = frozenset({_CODE.UNAVAILABLE, _CODE.CANCELLED, _CODE.INTERNAL,
+                             _CODE.UNKNOWN})
+"""Statuses that say the instance itself is unwell (gone, crashed, broke the stream): it is
+marked failed and skipped until a health check says SERVING again. A CANCELLED we caused
+never shows up as a status: our own cancel raises asyncio.CancelledError."""
+TRANSFER_FAILED = frozenset({_CODE.ABORTED, _CODE.DATA_LOSS, _CODE.NOT_FOUND})
+"""Generate statuses of a failed KV transfer (pin expired or released, a bad chunk): worth
+another placement, but no verdict on any instance's health."""
+RETRIABLE_PREFILL = INSTANCE_FAILED
+"""Prefill statuses worth another placement. ABORTED is not one: it means the request was
+aborted (an Abort call), and retrying would defeat the abort."""
+RETRIABLE_GENERATE = INSTANCE_FAILED | TRANSFER_FAILED
+"""Generate statuses worth another placement."""
+
+
+def is_overloaded(error: grpc.aio.AioRpcError) -> bool:
+    """A decode instance's admission queue is full (not a message over the size limit)."""
+    return error.code() == _CODE.RESOURCE_EXHAUSTED and \
+        "larger than max" not in (error.details() or "")
+
+
+class AttemptFailed(Exception):
+    """One placement of an engine request failed in a way another placement may not."""
+
+    def __init__(self, address: str, role: str, error: grpc.aio.AioRpcError | str,
+                 overloaded: bool = False) -> None:
+        self.instance_failed = not overloaded and (not isinstance(error, grpc.aio.AioRpcError)
+                                                   or error.code() in INSTANCE_FAILED)
+        """Mark `address` failed in the health tracker (False: only this request failed)."""
+        self.overloaded = overloaded
+        """The instance was full: wait, then place again (outside the retry budget)."""
+        if isinstance(error, grpc.aio.AioRpcError):
+            error = f"{error.code().name}: {error.details()}"
+        super().__init__(f"{role} {address}: {error}")
+        self.address = address
+        self.role = role
+
+
+class EngineOutput(NamedTuple):
+    """One step of one engine request, as the gateway consumes it."""
+
+    token_ids: list[int]
+    logprobs: list[engine_pb2.TokenLogprobs]
+    """Aligned with token_ids when logprobs were requested, else empty."""
+    finish_reason: int
+    """engine_pb2.FinishReason; FINISH_REASON_UNSPECIFIED while running."""
+    num_cached_tokens: int | None
+    """Prefix-cache hit of the instance that computed the prompt (first output only)."""
+    prompt_logprobs: list[engine_pb2.TokenLogprobs] | None = None
+    """First output only, when sampling_params.prompt_logprobs was set: one per prompt
+    token after the first (the first has no logprob)."""
+
+
+async def prefill_then_decode(
+        channels: ChannelPool, placer: Placer, placement: Placement,
+        decode_req: engine_pb2.DecodeRequest, request_id: str) -> AsyncIterator[EngineOutput]:
+    """The outputs after `decode_req.output_token_ids` (tokens already handed out), from
+    `placement`; `decode_req.request_id` is the attempt's engine request id.
+
+    Raises:
+        AttemptFailed: a retriable failure (the instance is at fault).
+        GatewayError: any other engine error.
+    """
+    engine_request_id = decode_req.request_id
+    used: list[tuple[str, str]] = []
+    failed: str | None = None
+    call = None
+    finished = False
+    # NOTE: decode counts as loaded from placement on (requests placed meanwhile spread)
+    placer.begin(placement.decode_address)
+    try:
+        if (address := placement.prefill_address) is not None:
+            used.append((address, "prefill"))
+            placer.begin(address)
+            try:
+                resp = await channels.prefill(address, engine_pb2.PrefillRequest(
+                    request_id=engine_request_id, prompt_token_ids=decode_req.prompt_token_ids,
+                    sampling_params=decode_req.sampling_params,
+                    cache_salt=decode_req.cache_salt), request_id)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRIABLE_PREFILL:
+                    raise from_grpc_error(e, "Prefill") from None
+                failed = address
+                raise AttemptFailed(address, "prefill", e) from None
+            finally:
+                placer.end(address)
+            finished = resp.finish_reason != _NOT_FINISHED
+            yield EngineOutput([resp.first_token_id],
+                               [resp.first_logprobs] if resp.HasField("first_logprobs") else [],
+                               resp.finish_reason, resp.num_cached_tokens,
+                               list(resp.prompt_logprobs) or None)
+            if finished:
+                return
+            decode_req.output_token_ids.append(resp.first_token_id)
+            decode_req.kv_transfer_params.CopyFrom(resp.kv_transfer_params)
+        address = placement.decode_address
+        used.append((address, "decode"))
+        try:
+            call = channels.generate(address, decode_req, request_id)
+            is_first = placement.prefill_address is None
+            async for chunk in call:
+                finished = chunk.finish_reason != _NOT_FINISHED
+                yield EngineOutput(list(chunk.token_ids), list(chunk.logprobs),
+                                   chunk.finish_reason,
+                                   chunk.num_cached_tokens if is_first else None,
+                                   list(chunk.prompt_logprobs) or None)
+                is_first = False
+                if finished:
+                    return
+        except grpc.aio.AioRpcError as e:
+            # NOTE: a full decode when the client already has tokens (a started stream): a
+            # 429 now would break it; wait for room instead (the failover loop).
+            overloaded = is_overloaded(e) and bool(decode_req.output_token_ids)
+            if not overloaded and e.code() not in RETRIABLE_GENERATE:
+                raise from_grpc_error(e, "Generate") from None
+            failed = address
+            raise AttemptFailed(address, "decode", e, overloaded=overloaded) from None
+        failed = address
+        raise AttemptFailed(address, "decode", "the stream ended without a finish reason")
+    finally:
+        # NOTE: no awaits here: this also runs when the task is being cancelled.
+        placer.end(placement.decode_address)
+        if call is not None and not call.done():
+            call.cancel()
+        if not finished:
+            for address, role in used:
+                if address != failed:  # it ended the call itself, or is gone
+                    channels.abort_soon(address, role, [engine_request_id], request_id)
