@@ -186,12 +186,10 @@ def _cmd_healthcheck(ns: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from shared.config import MAX_GRPC_MESSAGE_BYTES
+    from services.common.auth import internal_sync_channel
 
     # NOTE: grpc.health needs no internal token: probes work on a token-protected service.
-    options = [("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)]
-    with grpc.insecure_channel(ns.address, options=options) as channel:
+    with internal_sync_channel(ns.address) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=ns.service), timeout=ns.timeout)
