@@ -1,21 +1,27 @@
 """Attention over the paged KV cache: `store_kv_cache` and `paged_attention`, three backends.
 
 - "torch": the CPU path (`kernels/torch_paged.py`); build `prepare_torch_metadata(...)` once
-  per step and pass it as `metadata=` to every layer.
+  per step and pass it as `torch_metadata=` to every layer.
 - "triton": the CUDA kernels (`kernels/triton_*.py`), imported on first use so that importing
   `kernels` needs neither triton nor a GPU.
 - "reference": the slow, obviously-correct torch reference (`kernels/reference.py`).
 
-Cache per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]; block 0
-is the null block. See docs/engine-contracts.md, section `kernels/`.
+Every backend takes the step's `AttentionMetadata` (shared/engine/attn_metadata.py documents
+its fields). Cache per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads,
+head_dim]; block 0 is the null block. See docs/engine-contracts.md, section `kernels/`.
 """
 
-from typing import Literal
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from kernels import reference, torch_paged
 from kernels.torch_paged import TorchAttentionMetadata, prepare_torch_metadata
+
+if TYPE_CHECKING:  # kernels imports nothing from shared at run time
+    from shared.engine.attn_metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton", "reference"]
 
@@ -65,49 +71,40 @@ def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     scale: float,
-    max_query_len: int,
-    max_seq_len: int,
     backend: Backend = "torch",
-    metadata: TorchAttentionMetadata | None = None,
+    torch_metadata: TorchAttentionMetadata | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (decodes and chunked prefills) over the paged cache.
 
-    Request i's q_len_i = query_start_loc[i + 1] - query_start_loc[i] queries are its last
-    q_len_i positions and attend causally to its first seq_lens[i] keys; query head h reads
-    kv head h // (num_heads // num_kv_heads).
+    Request i's q_len_i query rows (`attn_metadata.query_start_loc`) are its last q_len_i
+    positions and attend causally to its first seq_lens[i] keys; query head h reads kv head
+    h // (num_heads // num_kv_heads).
 
     Args:
         query: [num_tokens, num_heads, head_dim].
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim], this step's K stored.
         v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        block_table: [num_reqs, max_num_blocks_per_req] int32, 0-padded.
-        seq_lens: [num_reqs] int32, KV length after this step.
-        query_start_loc: [num_reqs + 1] int32.
+        attn_metadata: the step's `shared.engine.attn_metadata.AttentionMetadata`.
         scale: softmax scale.
-        max_query_len: host int, max q_len (sizes the Triton prefill grid).
-        max_seq_len: host int, max seq_len.
         backend: which implementation runs.
-        metadata: "torch" backend only: this step's `prepare_torch_metadata(...)`.
+        torch_metadata: "torch" backend only: this step's `prepare_torch_metadata(...)`.
 
     Returns:
         [num_tokens, num_heads, head_dim], query's dtype; rows past query_start_loc[-1]
         are zero.
     """
-    args = (query, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+    args = (query, k_cache, v_cache, attn_metadata, scale)
     if backend == "torch":
-        return torch_paged.paged_attention(
-            *args, max_query_len, max_seq_len, metadata=metadata)
+        return torch_paged.paged_attention(*args, torch_metadata=torch_metadata)
     if backend == "triton":
         from kernels import triton_decode, triton_prefill
 
         out = torch.zeros_like(query)
         triton_decode.paged_decode(*args, out)
-        triton_prefill.paged_prefill(*args, max_query_len, out)
+        triton_prefill.paged_prefill(*args, out)
         return out
     if backend == "reference":
-        return reference.paged_attention(*args, max_query_len, max_seq_len)
+        return reference.paged_attention(*args)
     raise ValueError(f"unknown backend {backend!r}")

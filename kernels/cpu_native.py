@@ -73,10 +73,24 @@ def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> Nat
         _c_ptr, _c_int64, _c_int64,  # query, query_stride, num_tokens
         _c_ptr, _c_ptr, _c_int64, _c_int64,  # k_cache, v_cache, num_blocks, block_size
         _c_ptr, _c_int64, _c_int64, _c_int64,  # block_table, num_reqs, width, stride
-        _c_ptr, _c_ptr, _c_ptr, _c_int64, _c_int64,  # token/req ids, context lens, rows, max
+        _c_ptr, _c_ptr, _c_ptr, _c_int64, _c_int64,  # query rows, batch indices, seq_lens, n, max
         ctypes.c_float, _c_ptr, _c_int64, ctypes.c_int,  # scale, out, out_stride, threads
     ]
     return NativeKernel(function, head_dim, num_kv_heads, group_size)
+
+
+class DecodeRows(NamedTuple):
+    """Query rows that each attend to a prefix of one request's keys (decodes, and the rows
+    of speculative drafts): the native kernel's work list, all contiguous."""
+
+    query_rows: torch.Tensor
+    """[num_rows] int64: the query/out row of each."""
+    batch_indices: torch.Tensor
+    """[num_rows] int64: its request's batch index (row of block_table)."""
+    seq_lens: torch.Tensor
+    """[num_rows] int32: keys it attends to, 1 <= seq_len <= max_seq_len."""
+    max_seq_len: int
+    """Host int, max of seq_lens."""
 
 
 def paged_attention_rows(
@@ -85,15 +99,12 @@ def paged_attention_rows(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    token_ids: torch.Tensor,
-    req_ids: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_context_len: int,
+    rows: DecodeRows,
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Row r of `out` (token_ids[r]) = attention of that query row over the first
-    context_lens[r] keys of request req_ids[r]. Writes only the listed rows.
+    """out[rows.query_rows[r]] = attention of that query row over the first
+    rows.seq_lens[r] keys of request rows.batch_indices[r]. Writes only the listed rows.
 
     Args:
         kernel: from `load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)`.
@@ -101,12 +112,12 @@ def paged_attention_rows(
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous.
         v_cache: same as k_cache.
         block_table: [num_reqs, max_num_blocks_per_req] int32, last dim contiguous.
-        token_ids: [num_rows] int64, query/out row of each row.
-        req_ids: [num_rows] int64, request (block_table row) of each row.
-        context_lens: [num_rows] int32, keys each row attends to, 1 <= len <= max_context_len.
-        max_context_len: host int, max of context_lens.
+        rows: the rows to compute.
         scale: softmax scale.
         out: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
+
+    Raises:
+        IndexError: an index outside query, block_table or the cache (nothing written).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     assert (head_dim, k_cache.shape[2]) == (kernel.head_dim, kernel.num_kv_heads)
@@ -114,16 +125,18 @@ def paged_attention_rows(
     assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.shape == v_cache.shape and out.shape == query.shape
-    for rows in (query, out):
-        assert rows.stride(2) == 1 and rows.stride(1) == head_dim, "heads must be contiguous"
+    for x in (query, out):
+        assert x.stride(2) == 1 and x.stride(1) == head_dim, "heads must be contiguous"
     assert block_table.dtype == torch.int32 and block_table.stride(1) == 1
-    assert token_ids.dtype == req_ids.dtype == torch.int64
-    assert context_lens.dtype == torch.int32
-    assert token_ids.is_contiguous() and req_ids.is_contiguous() and context_lens.is_contiguous()
-    tensors = (query, k_cache, v_cache, block_table, token_ids, req_ids, context_lens, out)
+    query_rows, batch_indices, seq_lens, max_seq_len = rows
+    assert query_rows.dtype == batch_indices.dtype == torch.int64
+    assert seq_lens.dtype == torch.int32
+    assert query_rows.is_contiguous() and batch_indices.is_contiguous()
+    assert seq_lens.is_contiguous()
+    tensors = (query, k_cache, v_cache, block_table, query_rows, batch_indices, seq_lens, out)
     assert all(t.device.type == "cpu" for t in tensors)
-    num_rows = token_ids.shape[0]
-    assert req_ids.shape[0] == num_rows and context_lens.shape[0] == num_rows
+    num_rows = query_rows.shape[0]
+    assert batch_indices.shape[0] == num_rows and seq_lens.shape[0] == num_rows
     if num_rows == 0:
         return
     # NOTE: the C side bounds-checks every index (token, request, block ids, lengths) before
@@ -132,8 +145,8 @@ def paged_attention_rows(
         query.data_ptr(), query.stride(0), query.shape[0],
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.shape[1],
         block_table.data_ptr(), block_table.shape[0], block_table.shape[1], block_table.stride(0),
-        token_ids.data_ptr(), req_ids.data_ptr(), context_lens.data_ptr(), num_rows,
-        max_context_len, scale, out.data_ptr(), out.stride(0),
+        query_rows.data_ptr(), batch_indices.data_ptr(), seq_lens.data_ptr(), num_rows,
+        max_seq_len, scale, out.data_ptr(), out.stride(0),
         max(1, min(torch.get_num_threads(), num_rows)),  # one row is one thread's work
     )
     if status == -2:

@@ -12,7 +12,14 @@ Cache layout, per layer:
     row p % block_size; its slot is block_id * block_size + p % block_size.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from shared.engine.attn_metadata import AttentionMetadata
 
 
 def store_kv_cache(
@@ -22,16 +29,8 @@ def store_kv_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's key/value into its cache slot, in place.
-
-    Args:
-        key: [num_tokens, num_kv_heads, head_dim].
-        value: [num_tokens, num_kv_heads, head_dim].
-        k_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
-        v_cache: [num_blocks, block_size, num_kv_heads, head_dim], written in place.
-        slot_mapping: [num_tokens] int64, slot = block_id * block_size + offset;
-            -1 marks a padding token that is not written.
-    """
+    """`kernels.store_kv_cache`, one token at a time: key/value [num_tokens, num_kv_heads,
+    head_dim] into slot_mapping's slots, in place; slot -1 (padding) is not written."""
     block_size = k_cache.shape[1]
     for token_idx, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
@@ -45,42 +44,22 @@ def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     scale: float,
-    max_query_len: int,
-    max_seq_len: int,
 ) -> torch.Tensor:
-    """Causal attention of a mixed batch (decodes and chunked prefills) over the paged cache.
-
-    Request i owns query rows query_start_loc[i] : query_start_loc[i + 1] (q_len_i of them).
-    They are its LAST q_len_i positions, seq_lens[i] - q_len_i ... seq_lens[i] - 1, and the
-    query at position p attends to the request's keys at positions 0 ... p. Query head h
-    reads kv head h // (num_heads // num_kv_heads) (GQA).
-
-    Args:
-        query: [num_tokens, num_heads, head_dim].
-        k_cache: [num_blocks, block_size, num_kv_heads, head_dim]; this step's keys are
-            already stored.
-        v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        block_table: [num_reqs, max_num_blocks_per_req] int32, 0-padded.
-        seq_lens: [num_reqs] int32, KV length of each request after this step.
-        query_start_loc: [num_reqs + 1] int32, offsets of each request's query rows.
-        scale: softmax scale, usually head_dim ** -0.5.
-        max_query_len: unused here (kept for the common signature).
-        max_seq_len: unused here (kept for the common signature).
-
-    Returns:
-        [num_tokens, num_heads, head_dim], query's dtype. Rows past
-        query_start_loc[num_reqs] are zero.
+    """`kernels.paged_attention`, by its definition: request i owns query rows
+    query_start_loc[i] : query_start_loc[i + 1], its LAST q_len_i positions; the query at
+    position p attends to the request's keys 0 ... p, query head h reading kv head
+    h // (num_heads // num_kv_heads) (GQA). Computed in float32; rows past
+    query_start_loc[-1] are zero.
     """
     num_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     out = torch.zeros_like(query)
-    starts = query_start_loc.tolist()
-    for req_idx, seq_len in enumerate(seq_lens.tolist()):
+    block_table = attn_metadata.block_table
+    starts = attn_metadata.query_start_loc.tolist()
+    for req_idx, seq_len in enumerate(attn_metadata.seq_lens.tolist()):
         start, end = starts[req_idx], starts[req_idx + 1]
         q_len = end - start
         if q_len == 0:

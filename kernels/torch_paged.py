@@ -18,17 +18,22 @@ How a mixed batch runs (PagedAttention, Kwon et al. 2023, for the cache layout):
 `prepare_torch_metadata` does all host-side index work (the `.tolist()` calls, the sort, the
 gather indices and masks) once per step; pass its result to every layer's `paged_attention`:
 
-    metadata = prepare_torch_metadata(block_table, seq_lens, query_start_loc,
-                                      block_size, num_kv_heads)        # once per step
-    out = paged_attention(..., metadata=metadata)                      # in each layer
+    torch_metadata = prepare_torch_metadata(attn_metadata, block_size, num_kv_heads)  # a step
+    out = paged_attention(..., attn_metadata, scale, torch_metadata=torch_metadata)  # a layer
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import load_native_kernel, paged_attention_rows
+from kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
+
+if TYPE_CHECKING:
+    from shared.engine.attn_metadata import AttentionMetadata
 
 DECODE_BUCKET_SIZE = 16
 """Decode rows per gathered bucket in the torch-ops fallback (padding vs per-bucket cost)."""
@@ -38,7 +43,7 @@ DECODE_BUCKET_SIZE = 16
 class DecodeBucket:
     """Decode rows of similar length, gathered together (torch-ops fallback only)."""
 
-    token_ids: torch.Tensor
+    query_rows: torch.Tensor
     """[n] int64, query/out row of each decode."""
     cache_rows: torch.Tensor
     """[n * num_kv_heads * padded_len] int64, rows of `cache.view(-1, head_dim)` to gather."""
@@ -63,50 +68,37 @@ class PrefillSlice:
 class TorchAttentionMetadata:
     """Per-step indices for the CPU path, shared by every layer of the step."""
 
-    num_scheduled_tokens: int
+    num_actual_tokens: int
     """query_start_loc[-1]; query rows past it are padding (their output is zero)."""
     block_size: int
     num_kv_heads: int
-    decode_token_ids: torch.Tensor
-    """[num_decodes] int64, query row of each decode, longest context first."""
-    decode_req_ids: torch.Tensor
-    """[num_decodes] int64, request (block_table row) of each decode."""
-    decode_context_lens: torch.Tensor
-    """[num_decodes] int32, seq_len of each decode."""
-    max_decode_context_len: int
+    decode_rows: DecodeRows
+    """Every decode row (and verify row), longest seq_len first."""
     decode_buckets: tuple[DecodeBucket, ...]
     prefills: tuple[PrefillSlice, ...]
 
 
 def prepare_torch_metadata(
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     block_size: int,
     num_kv_heads: int,
     bucket_size: int = DECODE_BUCKET_SIZE,
-    verify_reqs: frozenset[int] = frozenset(),
 ) -> TorchAttentionMetadata:
     """Builds the step's indices once (all host work), for every layer's `paged_attention`.
 
-    Args:
-        block_table: [num_reqs, max_num_blocks_per_req] int32, 0-padded.
-        seq_lens: [num_reqs] int32, KV length after this step.
-        query_start_loc: [num_reqs + 1] int32.
-        block_size: tokens per cache block.
-        num_kv_heads: kv heads of the cache.
-        bucket_size: decode rows per bucket in the torch-ops fallback.
-        verify_reqs: requests whose few query tokens (a last token + speculative drafts)
-            run as decode rows, one per token, each over the keys up to its own position
-            (causal); their K/V is stored before attention reads it.
+    Requests with one query token are decode rows; so is each query token of a request in
+    `attn_metadata.verify_reqs` (a last token + speculative drafts), over the keys up to its
+    own position (causal; their K/V is stored before attention reads it). Other requests
+    are prefill slices. `bucket_size`: decode rows per bucket in the torch-ops fallback.
     """
-    seq_lens_list = seq_lens.tolist()
-    starts = query_start_loc.tolist()
-    block_table = block_table.long()
+    seq_lens = attn_metadata.seq_lens.tolist()
+    starts = attn_metadata.query_start_loc.tolist()
+    block_table = attn_metadata.block_table.long()
+    verify_reqs = attn_metadata.verify_reqs
     decode_reqs: list[int] = []
     prefills: list[PrefillSlice] = []
-    verify_rows: list[tuple[int, int, int]] = []  # (query row, request, context length)
-    for req_idx, seq_len in enumerate(seq_lens_list):
+    verify_rows: list[tuple[int, int, int]] = []  # (query row, batch index, seq_len)
+    for req_idx, seq_len in enumerate(seq_lens):
         start, end = starts[req_idx], starts[req_idx + 1]
         if end - start == 1:
             decode_reqs.append(req_idx)
@@ -118,29 +110,23 @@ def prepare_torch_metadata(
             prefills.append(PrefillSlice(start, end, slots, _prefill_mask(end - start, seq_len)))
     # NOTE: longest first balances the native kernel's dynamic schedule across threads, and
     # puts rows of similar length next to each other for the fallback's buckets.
-    decode_reqs.sort(key=lambda req_idx: -seq_lens_list[req_idx])
-    rows = [(starts[i], i, seq_lens_list[i]) for i in decode_reqs]
+    decode_reqs.sort(key=lambda req_idx: -seq_lens[req_idx])
+    rows = [(starts[i], i, seq_lens[i]) for i in decode_reqs]
     if verify_rows:
         rows = sorted(rows + verify_rows, key=lambda row: -row[2])
-    req_ids = torch.tensor([r[1] for r in rows], dtype=torch.int64)
-    context_lens = torch.tensor([r[2] for r in rows], dtype=torch.int32)
-    token_ids = torch.tensor([r[0] for r in rows], dtype=torch.int64)
+    decode_rows = DecodeRows(
+        query_rows=torch.tensor([r[0] for r in rows], dtype=torch.int64),
+        batch_indices=torch.tensor([r[1] for r in rows], dtype=torch.int64),
+        seq_lens=torch.tensor([r[2] for r in rows], dtype=torch.int32),
+        max_seq_len=max((r[2] for r in rows), default=0))
     buckets = tuple(
-        _decode_bucket(block_table, token_ids[i : i + bucket_size], req_ids[i : i + bucket_size],
-                       context_lens[i : i + bucket_size], block_size, num_kv_heads)
+        _decode_bucket(block_table, *(x[i : i + bucket_size] for x in decode_rows[:3]),
+                       block_size, num_kv_heads)
         for i in range(0, len(rows), bucket_size)
     )
     return TorchAttentionMetadata(
-        num_scheduled_tokens=starts[-1],
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        decode_token_ids=token_ids,
-        decode_req_ids=req_ids,
-        decode_context_lens=context_lens,
-        max_decode_context_len=max((r[2] for r in rows), default=0),
-        decode_buckets=buckets,
-        prefills=tuple(prefills),
-    )
+        num_actual_tokens=starts[-1], block_size=block_size, num_kv_heads=num_kv_heads,
+        decode_rows=decode_rows, decode_buckets=buckets, prefills=tuple(prefills))
 
 
 def _cache_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -158,16 +144,16 @@ def _prefill_mask(q_len: int, seq_len: int) -> torch.Tensor | None:
 
 def _decode_bucket(
     block_table: torch.Tensor,
-    token_ids: torch.Tensor,
-    req_ids: torch.Tensor,
-    context_lens: torch.Tensor,
+    query_rows: torch.Tensor,
+    batch_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
     block_size: int,
     num_kv_heads: int,
 ) -> DecodeBucket:
-    max_len = int(context_lens.max())
+    max_len = int(seq_lens.max())
     padded_len = -(-max_len // block_size) * block_size
-    slots = _cache_slots(block_table[req_ids], padded_len, block_size)  # [n, padded_len]
-    is_pad = torch.arange(padded_len)[None, :] >= context_lens[:, None].long()
+    slots = _cache_slots(block_table[batch_indices], padded_len, block_size)  # [n, padded_len]
+    is_pad = torch.arange(padded_len)[None, :] >= seq_lens[:, None].long()
     # NOTE: padding re-reads the row's position 0, never the slots past seq_len: those (and the
     # null block) may hold NaN from an uninitialized cache, and a masked NaN still poisons
     # the softmax and the 0 * v products.
@@ -176,7 +162,7 @@ def _decode_bucket(
     cache_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [n, kvh, padded_len]
     mask = torch.zeros(is_pad.shape).masked_fill_(is_pad, float("-inf"))
     mask = mask.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
-    return DecodeBucket(token_ids, cache_rows.reshape(-1), mask, padded_len)
+    return DecodeBucket(query_rows, cache_rows.reshape(-1), mask, padded_len)
 
 
 def store_kv_cache(
@@ -210,50 +196,36 @@ def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    metadata: TorchAttentionMetadata | None = None,
+    torch_metadata: TorchAttentionMetadata | None = None,
     use_native: bool = True,
 ) -> torch.Tensor:
-    """Same contract as `kernels.reference.paged_attention`; fast on CPU.
+    """`kernels.paged_attention` on CPU; the same contract as `kernels.reference`.
 
-    Args:
-        query: [num_tokens, num_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        block_table: [num_reqs, max_num_blocks_per_req] int32.
-        seq_lens: [num_reqs] int32. query_start_loc: [num_reqs + 1] int32.
-        scale: softmax scale. max_query_len, max_seq_len: unused on this path.
-        metadata: from `prepare_torch_metadata` for this step; built here when None (costs
-            host time on every layer, so the model runner should build it once per step).
-        use_native: use the compiled C kernel for decodes when it is available (fp32).
-
-    Returns:
-        [num_tokens, num_heads, head_dim], query's dtype.
+    `torch_metadata`: from `prepare_torch_metadata` for this step; built here when None
+    (host time on every layer, so the model runner builds it once per step). `use_native`:
+    decodes run the compiled C kernel when it is available (fp32).
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
+    metadata = torch_metadata
     if metadata is None:
-        metadata = prepare_torch_metadata(
-            block_table, seq_lens, query_start_loc, block_size, num_kv_heads)
+        metadata = prepare_torch_metadata(attn_metadata, block_size, num_kv_heads)
     assert (metadata.block_size, metadata.num_kv_heads) == (block_size, num_kv_heads)
-    padded = metadata.num_scheduled_tokens < query.shape[0]
+    padded = metadata.num_actual_tokens < query.shape[0]
     out = torch.zeros_like(query) if padded else torch.empty_like(query)
-    if metadata.decode_token_ids.numel() > 0:
+    if metadata.decode_rows.query_rows.numel() > 0:
         native = None
         if use_native and query.dtype == k_cache.dtype == torch.float32:
             native = load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)
         if native is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             if query.stride(2) != 1 or query.stride(1) != head_dim:
                 query = query.contiguous()
-            paged_attention_rows(
-                native, query, k_cache, v_cache, block_table.to(torch.int32).contiguous(),
-                metadata.decode_token_ids, metadata.decode_req_ids,
-                metadata.decode_context_lens, metadata.max_decode_context_len, scale, out)
+            block_table = attn_metadata.block_table.to(torch.int32).contiguous()
+            paged_attention_rows(native, query, k_cache, v_cache, block_table,
+                                 metadata.decode_rows, scale, out)
         else:
             _decode_torch(query, k_cache, v_cache, metadata, scale, out)
     for prefill in metadata.prefills:
@@ -275,16 +247,16 @@ def _decode_torch(
     k_rows = k_cache.reshape(-1, head_dim)  # a view for the (usual) contiguous cache
     v_rows = v_cache.reshape(-1, head_dim)
     for bucket in metadata.decode_buckets:
-        n = bucket.token_ids.shape[0]
+        n = bucket.query_rows.shape[0]
         batch_shape = (n * num_kv_heads, bucket.padded_len, head_dim)
         k = k_rows.index_select(0, bucket.cache_rows).view(batch_shape)
         v = v_rows.index_select(0, bucket.cache_rows).view(batch_shape)
         # [n, num_heads, head_dim] -> [n * num_kv_heads, group_size, head_dim]
-        q = query.index_select(0, bucket.token_ids).view(n * num_kv_heads, group_size, head_dim)
+        q = query.index_select(0, bucket.query_rows).view(n * num_kv_heads, group_size, head_dim)
         mask = bucket.mask.to(q.dtype)
         scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        out.index_copy_(0, bucket.token_ids, torch.bmm(probs, v).view(n, num_heads, head_dim))
+        out.index_copy_(0, bucket.query_rows, torch.bmm(probs, v).view(n, num_heads, head_dim))
 
 
 def _prefill_torch(

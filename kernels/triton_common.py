@@ -1,9 +1,14 @@
 """Launch-time checks shared by the Triton paged-attention wrappers (decode and prefill)."""
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
+
+if TYPE_CHECKING:
+    from shared.engine.attn_metadata import AttentionMetadata
 
 
 class AttentionDims(NamedTuple):
@@ -24,18 +29,18 @@ def check_paged_attention_inputs(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: AttentionMetadata,
     out: torch.Tensor,
 ) -> AttentionDims:
     """Asserts the shapes, dtypes and strides the kernels index with; returns the sizes.
 
     query/out: [num_tokens, num_heads, head_dim], last dim contiguous.
     k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], last dim contiguous,
-    same strides. block_table: [num_reqs, max_num_blocks_per_req] int32, last dim contiguous.
-    seq_lens: [num_reqs] int32 and query_start_loc: [num_reqs + 1] int32, contiguous.
+    same strides. The metadata's tensors on query's device, block_table's last dim and
+    seq_lens, query_start_loc contiguous.
     """
+    block_table, seq_lens = attn_metadata.block_table, attn_metadata.seq_lens
+    query_start_loc = attn_metadata.query_start_loc
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     num_reqs = block_table.shape[0]

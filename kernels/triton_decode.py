@@ -10,11 +10,16 @@ Requests whose q_len is not 1 return at once: `kernels/triton_prefill.py` handle
 both kernels launch over the whole batch and the host needs no per-request lengths.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton_common import check_paged_attention_inputs
+
+if TYPE_CHECKING:
+    from shared.engine.attn_metadata import AttentionMetadata
 
 
 @triton.jit
@@ -93,29 +98,23 @@ def paged_decode(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: "AttentionMetadata",
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """Writes out[query_start_loc[i]] for every request i with q_len 1; other rows untouched.
 
-    Args:
-        query: [num_tokens, num_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        block_table: [num_reqs, max_num_blocks_per_req] int32.
-        seq_lens: [num_reqs] int32. query_start_loc: [num_reqs + 1] int32.
-        scale: softmax scale.
-        out: [num_tokens, num_heads, head_dim], query's dtype.
+    query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim] (`kernels.paged_attention` has the contract).
     """
-    dims = check_paged_attention_inputs(
-        query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out)
+    dims = check_paged_attention_inputs(query, k_cache, v_cache, attn_metadata, out)
+    block_table = attn_metadata.block_table
     num_reqs = block_table.shape[0]
     if num_reqs == 0:
         return
     _paged_decode_kernel[(num_reqs, dims.num_kv_heads)](
-        query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, scale,
+        query, k_cache, v_cache, block_table, attn_metadata.seq_lens,
+        attn_metadata.query_start_loc, out, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         GROUP_SIZE=dims.group_size,

@@ -11,11 +11,16 @@ Requests with q_len <= 1 return at once (`kernels/triton_decode.py` handles deco
 tiles past a request's q_len, so the grid is sized from max_query_len alone.
 """
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton_common import check_paged_attention_inputs
+
+if TYPE_CHECKING:
+    from shared.engine.attn_metadata import AttentionMetadata
 
 DEFAULT_BLOCK_M = 64
 
@@ -104,36 +109,28 @@ def paged_prefill(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
+    attn_metadata: "AttentionMetadata",
     scale: float,
-    max_query_len: int,
     out: torch.Tensor,
     block_m: int = DEFAULT_BLOCK_M,
 ) -> None:
     """Writes the query rows of every request with q_len > 1; other rows untouched.
 
-    Args:
-        query: [num_tokens, num_heads, head_dim].
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; the chunk's own
-            keys are already stored.
-        block_table: [num_reqs, max_num_blocks_per_req] int32.
-        seq_lens: [num_reqs] int32. query_start_loc: [num_reqs + 1] int32.
-        scale: softmax scale.
-        max_query_len: host int, at least every request's q_len (sizes the grid).
-        out: [num_tokens, num_heads, head_dim], query's dtype.
-        block_m: query rows per program, a power of two >= 16.
+    query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
+    block_size, num_kv_heads, head_dim], the chunk's own keys already stored
+    (`kernels.paged_attention` has the contract). `attn_metadata.max_query_len` sizes the
+    grid; `block_m`: query rows per program, a power of two >= 16.
     """
-    dims = check_paged_attention_inputs(
-        query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out)
+    dims = check_paged_attention_inputs(query, k_cache, v_cache, attn_metadata, out)
     assert block_m >= 16 and block_m & (block_m - 1) == 0
+    block_table, max_query_len = attn_metadata.block_table, attn_metadata.max_query_len
     num_reqs = block_table.shape[0]
     if num_reqs == 0 or max_query_len <= 1:
         return
     grid = (num_reqs, triton.cdiv(max_query_len, block_m), dims.num_heads)
     _paged_prefill_kernel[grid](
-        query, k_cache, v_cache, block_table, seq_lens, query_start_loc, out, scale,
+        query, k_cache, v_cache, block_table, attn_metadata.seq_lens,
+        attn_metadata.query_start_loc, out, scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         GROUP_SIZE=dims.group_size,

@@ -17,20 +17,17 @@ class PagedAttention:
                  num_kv_heads: int) -> None:
         self.metadata = metadata
         self.backend = backend
-        # NOTE: the torch (CPU) path builds its gather indices once per step, not per layer.
-        self.torch_metadata = (kernels.prepare_torch_metadata(
-            metadata.block_table, metadata.seq_lens, metadata.query_start_loc, block_size,
-            num_kv_heads, verify_reqs=metadata.verify_reqs) if backend == "torch" else None)
-        self.slot_has_skips = (bool((metadata.slot_mapping < 0).any())
-                               if backend == "torch" else None)
+        # NOTE: the torch (CPU) path builds its gather indices, and checks the slots for
+        # padding, once per step, not per layer.
+        is_torch = backend == "torch"
+        self.torch_metadata = (kernels.prepare_torch_metadata(metadata, block_size, num_kv_heads)
+                               if is_torch else None)
+        self.slot_has_skips = bool((metadata.slot_mapping < 0).any()) if is_torch else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """query [T, num_heads, D], key/value [T, num_kv_heads, D] -> [T, num_heads, D]."""
-        m = self.metadata
-        kernels.store_kv_cache(key, value, k_cache, v_cache, m.slot_mapping,
+        kernels.store_kv_cache(key, value, k_cache, v_cache, self.metadata.slot_mapping,
                                backend=self.backend, has_skips=self.slot_has_skips)
-        return kernels.paged_attention(query, k_cache, v_cache, m.block_table, m.seq_lens,
-                                       m.query_start_loc, scale, m.max_query_len,
-                                       m.max_seq_len, backend=self.backend,
-                                       metadata=self.torch_metadata)
+        return kernels.paged_attention(query, k_cache, v_cache, self.metadata, scale,
+                                       backend=self.backend, torch_metadata=self.torch_metadata)

@@ -13,7 +13,7 @@ import torch
 
 from shared.config import CacheConfig, ModelConfig, ParallelConfig
 from shared.engine.attention import PagedAttention
-from shared.engine.attn_metadata import AttentionMetadata
+from shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
 from shared.engine.prompt_logprobs import (
     PromptLogprobsJob,
     compute_prompt_logprobs,
@@ -105,63 +105,35 @@ class ModelRunner:
                         self.args, self.block_size, model_config.dtype) / 2**20, backend)
 
     def prepare_inputs(self, scheduled: list) -> PreparedInputs:
-        """Flatten the scheduled requests into one batch.
-
-        NOTE: the scheduler lists decodes (one token each) before prefill chunks; attention
-        relies on that order (`num_decodes`).
-        """
-        bs = self.block_size
+        """Flatten the scheduled requests (`ScheduledRequest`s, in batch order) into one batch;
+        tests/shared/engine/test_prepare_inputs_golden.py works an example through."""
         num_reqs = len(scheduled)
         q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, num_reqs)
         starts = np.fromiter((s.start_pos for s in scheduled), np.int64, num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_lens = starts + q_lens
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_table = np.zeros((num_reqs, max_blocks), np.int32)
-        input_ids = np.empty(num_tokens, np.int64)
+        verify_reqs = frozenset(i for i, s in enumerate(scheduled) if s.spec_token_ids)
+        meta, positions, query_start_loc = build_attn_metadata(
+            starts, q_lens, [s.block_ids for s in scheduled], self.block_size, self.device,
+            verify_reqs)
+        input_ids = np.empty(int(query_start_loc[-1]), np.int64)
         for i, s in enumerate(scheduled):
-            block_table[i, :len(s.block_ids)] = s.block_ids
-            a, b = query_start_loc[i], query_start_loc[i + 1]
-            if b - a == 1:
-                input_ids[a] = s.request.token_at(int(starts[i]))
+            a, n = query_start_loc[i], s.num_scheduled_tokens
+            if n == 1:
+                input_ids[a] = s.request.token_at(s.start_pos)
             elif s.spec_token_ids:  # the last known token, then the drafts
-                input_ids[a] = s.request.token_at(int(starts[i]))
-                input_ids[a + 1:b] = s.spec_token_ids
+                input_ids[a] = s.request.token_at(s.start_pos)
+                input_ids[a + 1:a + n] = s.spec_token_ids
             else:
-                input_ids[a:b] = s.request.token_slice(int(starts[i]), int(seq_lens[i]))
-        req_idx = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(num_tokens, dtype=np.int64) - query_start_loc[req_idx] \
-            + starts[req_idx]
-        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs \
-            + positions % bs
-        num_decodes = 0
-        while num_decodes < num_reqs and q_lens[num_decodes] == 1 \
-                and scheduled[num_decodes].sample:
-            num_decodes += 1
+                input_ids[a:a + n] = s.request.token_slice(s.start_pos, s.start_pos + n)
         sampled = [i for i, s in enumerate(scheduled) if s.sample]
         logits_indices = query_start_loc[1:][sampled] - 1
         draft_rows = None
-        if any(s.spec_token_ids for s in scheduled):
+        if verify_reqs:
             logits_indices, draft_rows = expand_draft_rows(scheduled, sampled, query_start_loc)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            num_decodes=num_decodes,
-        )
-        if draft_rows is not None:
-            meta.verify_reqs = frozenset(i for i, s in enumerate(scheduled) if s.spec_token_ids)
         return PreparedInputs(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=torch.from_numpy(input_ids).to(self.device),
+            positions=positions,
             attn_metadata=meta,
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            logits_indices=torch.from_numpy(logits_indices).to(self.device),
             sampled_requests=[scheduled[i].request for i in sampled],
             prompt_logprobs_jobs=plan_prompt_logprobs(scheduled, query_start_loc),
             draft_rows=draft_rows,

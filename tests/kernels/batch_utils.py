@@ -4,6 +4,8 @@ from typing import NamedTuple
 
 import torch
 
+from shared.engine.attn_metadata import AttentionMetadata
+
 
 class PagedBatch(NamedTuple):
     """One step's attention inputs, plus the dense K/V each request's cache holds."""
@@ -26,6 +28,11 @@ class PagedBatch(NamedTuple):
     dense_values: list[torch.Tensor]
     slot_mapping: torch.Tensor
     """[num_tokens] int64, slots of this step's query tokens (-1 for padding rows)."""
+
+    @property
+    def attn_metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping, self.block_table, self.seq_lens,
+                                 self.query_start_loc, self.max_query_len, self.max_seq_len)
 
 
 def make_paged_batch(

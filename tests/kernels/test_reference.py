@@ -42,9 +42,8 @@ def test_reference_matches_dense_sdpa(
         seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=block_size, num_pad_tokens=3, seed=seed)
     scale = head_dim**-0.5
-    out = reference.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-        batch.query_start_loc, scale, batch.max_query_len, batch.max_seq_len)
+    out = reference.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                    batch.attn_metadata, scale)
     starts = batch.query_start_loc.tolist()
     for req_idx in range(len(seq_lens)):
         start, end = starts[req_idx], starts[req_idx + 1]

@@ -10,15 +10,14 @@ import torch
 
 import kernels
 from kernels import reference, torch_paged
-from kernels.cpu_native import load_native_kernel, paged_attention_rows
+from kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
 from tests.kernels.batch_utils import PagedBatch, make_paged_batch, random_mixed_lens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def attention_args(batch: PagedBatch, scale: float) -> tuple:
-    return (batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-            batch.query_start_loc, scale, batch.max_query_len, batch.max_seq_len)
+    return (batch.query, batch.k_cache, batch.v_cache, batch.attn_metadata, scale)
 
 
 def assert_matches_reference(out: torch.Tensor, expected: torch.Tensor) -> None:
@@ -66,11 +65,10 @@ def test_metadata_is_reused_across_layers(use_native: bool) -> None:
         assert torch.equal(layer.block_table, layers[0].block_table)
         assert not torch.equal(layer.query, layers[0].query)
     first = layers[0]
-    metadata = kernels.prepare_torch_metadata(
-        first.block_table, first.seq_lens, first.query_start_loc, block_size=16, num_kv_heads=2)
+    metadata = kernels.prepare_torch_metadata(first.attn_metadata, block_size=16, num_kv_heads=2)
     for layer in layers:
         args = attention_args(layer, 0.2)
-        out = torch_paged.paged_attention(*args, metadata=metadata, use_native=use_native)
+        out = torch_paged.paged_attention(*args, torch_metadata=metadata, use_native=use_native)
         assert_matches_reference(out, reference.paged_attention(*args))
 
 
@@ -98,26 +96,26 @@ def test_prefill_only_batch_through_the_package() -> None:
 
 
 def test_native_kernel_rows_cover_chunked_prefill() -> None:
-    """The C kernel's per-row context lengths also express chunked prefill rows."""
+    """The C kernel's per-row seq_lens also express chunked prefill rows."""
     if not native_available(32, 2, 3):
         pytest.skip("no C compiler with OpenMP here")
     seq_lens, query_lens = random_mixed_lens(8, 4, max_seq_len=100, max_query_len=30, seed=3)
     batch = make_paged_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=32)
-    token_ids, req_ids, context_lens = [], [], []
+    query_rows, batch_indices, row_seq_lens = [], [], []
     starts = batch.query_start_loc.tolist()
     for req_idx, seq_len in enumerate(seq_lens):
         q_len = starts[req_idx + 1] - starts[req_idx]
         for row in range(q_len):
-            token_ids.append(starts[req_idx] + row)
-            req_ids.append(req_idx)
-            context_lens.append(seq_len - q_len + row + 1)
+            query_rows.append(starts[req_idx] + row)
+            batch_indices.append(req_idx)
+            row_seq_lens.append(seq_len - q_len + row + 1)
     out = torch.zeros_like(batch.query)
     kernel = load_native_kernel(32, 2, 3)
     assert kernel is not None
-    paged_attention_rows(
-        kernel, batch.query, batch.k_cache, batch.v_cache, batch.block_table,
-        torch.tensor(token_ids), torch.tensor(req_ids),
-        torch.tensor(context_lens, dtype=torch.int32), max(context_lens), 0.3, out)
+    rows = DecodeRows(torch.tensor(query_rows), torch.tensor(batch_indices),
+                      torch.tensor(row_seq_lens, dtype=torch.int32), max(row_seq_lens))
+    paged_attention_rows(kernel, batch.query, batch.k_cache, batch.v_cache, batch.block_table,
+                         rows, 0.3, out)
     assert_matches_reference(out, reference.paged_attention(*attention_args(batch, 0.3)))
 
 
@@ -160,21 +158,21 @@ def test_native_kernel_rejects_out_of_bounds_indices() -> None:
     assert kernel is not None
     batch = make_paged_batch([20, 9], [1, 1], num_heads=4, num_kv_heads=2, head_dim=16)
     out = torch.zeros_like(batch.query)
-    token_ids, req_ids = torch.tensor([0, 1]), torch.tensor([0, 1])
+    query_rows, batch_indices = torch.tensor([0, 1]), torch.tensor([0, 1])
     bad_table = batch.block_table.clone()
     bad_table[0, 1] = batch.k_cache.shape[0]  # one past the last block
-    cases = [  # (block_table, context_lens, max_context_len)
+    cases = [  # (block_table, seq_lens, max_seq_len)
         (bad_table, [20, 9], 20),
         (batch.block_table, [20, 9], 19),  # a length over the declared max
         (batch.block_table, [20, 0], 20),  # an empty row
         (batch.block_table, [40, 9], 40),  # more blocks than the table row holds
     ]
-    for block_table, context_lens, max_context_len in cases:
+    for block_table, seq_lens, max_seq_len in cases:
+        rows = DecodeRows(query_rows, batch_indices, torch.tensor(seq_lens, dtype=torch.int32),
+                          max_seq_len)
         with pytest.raises(IndexError):
-            paged_attention_rows(
-                kernel, batch.query, batch.k_cache, batch.v_cache, block_table, token_ids,
-                req_ids, torch.tensor(context_lens, dtype=torch.int32), max_context_len, 0.25,
-                out)
+            paged_attention_rows(kernel, batch.query, batch.k_cache, batch.v_cache, block_table,
+                                 rows, 0.25, out)
     assert torch.all(out == 0), "a rejected call writes nothing"
 
 

@@ -30,8 +30,7 @@ def test_triton_attention_matches_reference(
         seq_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, block_size=block_size, num_pad_tokens=3, dtype=dtype,
         device="cuda", seed=seed)
-    args = (batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-            batch.query_start_loc, head_dim**-0.5, batch.max_query_len, batch.max_seq_len)
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.attn_metadata, head_dim**-0.5)
     out = kernels.paged_attention(*args, backend="triton")
     expected = kernels.paged_attention(*args, backend="reference")
     assert not out.isnan().any()

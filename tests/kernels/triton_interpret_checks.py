@@ -29,9 +29,8 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def reference_attention(batch: PagedBatch, scale: float) -> torch.Tensor:
-    return reference.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-        batch.query_start_loc, scale, batch.max_query_len, batch.max_seq_len)
+    return reference.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                     batch.attn_metadata, scale)
 
 
 def check_store(seed: int) -> float:
@@ -55,8 +54,7 @@ def check_decode(num_heads: int, num_kv_heads: int, head_dim: int, seed: int) ->
     batch = make_paged_batch(seq_lens, [1] * 5, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              head_dim=head_dim, seed=seed)
     out = torch.zeros_like(batch.query)
-    paged_decode(batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-                 batch.query_start_loc, 0.3, out)
+    paged_decode(batch.query, batch.k_cache, batch.v_cache, batch.attn_metadata, 0.3, out)
     return relative_error(out, reference_attention(batch, 0.3))
 
 
@@ -66,8 +64,8 @@ def check_prefill(seed: int) -> float:
     batch = make_paged_batch(seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=16,
                              seed=seed)
     out = torch.zeros_like(batch.query)
-    paged_prefill(batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-                  batch.query_start_loc, 0.25, batch.max_query_len, out, block_m=16)
+    paged_prefill(batch.query, batch.k_cache, batch.v_cache, batch.attn_metadata, 0.25, out,
+                  block_m=16)
     return relative_error(out, reference_attention(batch, 0.25))
 
 
@@ -78,9 +76,8 @@ def check_mixed(seed: int) -> float:
     seq_lens, query_lens = random_mixed_lens(3, 2, max_seq_len=45, max_query_len=12, seed=seed)
     batch = make_paged_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=16,
                              num_pad_tokens=1, seed=seed)
-    out = kernels.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
-        batch.query_start_loc, 0.2, batch.max_query_len, batch.max_seq_len, backend="triton")
+    out = kernels.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+                                  batch.attn_metadata, 0.2, backend="triton")
     return relative_error(out, reference_attention(batch, 0.2))
 
 

@@ -31,7 +31,7 @@ import torch
 
 from shared.config import ModelConfig
 from shared.engine.attention import PagedAttention
-from shared.engine.attn_metadata import AttentionMetadata
+from shared.engine.attn_metadata import build_attn_metadata
 from shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
 from shared.engine.spec_decode.draft_kv import DraftKVCache
 from shared.models.loader import load_model
@@ -141,40 +141,15 @@ class DraftModelProposer:
 
     def _forward(self, rows: list[DraftRow]) -> list[int]:
         """One draft forward over `rows`; the argmax token after each row's last token."""
-        # Single-token rows first: the attention metadata's decode rows lead the batch.
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
-        rows_sorted = [rows[i] for i in order]
-        num_reqs, bs = len(rows_sorted), self.block_size
-        q_lens = np.fromiter((len(r.token_ids) for r in rows_sorted), np.int64, num_reqs)
-        starts = np.fromiter((r.start_pos for r in rows_sorted), np.int64, num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, np.int64)
-        np.cumsum(q_lens, out=query_start_loc[1:])
-        seq_lens = starts + q_lens
-        block_table = np.zeros((num_reqs, max(len(r.block_ids) for r in rows_sorted)),
-                               np.int32)
-        for i, r in enumerate(rows_sorted):
-            block_table[i, :len(r.block_ids)] = r.block_ids
-        input_ids = np.fromiter((t for r in rows_sorted for t in r.token_ids), np.int64,
+        q_lens = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+        starts = np.fromiter((r.start_pos for r in rows), np.int64, len(rows))
+        meta, positions, query_start_loc = build_attn_metadata(
+            starts, q_lens, [r.block_ids for r in rows], self.block_size, self.device)
+        input_ids = np.fromiter((t for r in rows for t in r.token_ids), np.int64,
                                 int(query_start_loc[-1]))
-        req_idx = np.repeat(np.arange(num_reqs), q_lens)
-        positions = np.arange(len(input_ids), dtype=np.int64) - query_start_loc[req_idx] \
-            + starts[req_idx]
-        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs \
-            + positions % bs
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(dev),
-            max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-            num_decodes=int((q_lens == 1).sum()))
-        attn = PagedAttention(meta, self.attention_backend, bs, self.args.num_kv_heads)
-        hidden = self.model(torch.from_numpy(input_ids).to(dev),
-                            torch.from_numpy(positions).to(dev), self.kv_caches, attn)
-        last = torch.from_numpy(query_start_loc[1:] - 1).to(dev)
-        sampled = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
-        out = [0] * num_reqs
-        for i, token_id in zip(order, sampled):
-            out[i] = token_id
-        return out
+        attn = PagedAttention(meta, self.attention_backend, self.block_size,
+                              self.args.num_kv_heads)
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device), positions,
+                            self.kv_caches, attn)
+        last = torch.from_numpy(query_start_loc[1:] - 1).to(self.device)
+        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
