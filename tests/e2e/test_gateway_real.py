@@ -144,6 +144,18 @@ async def test_d10_disconnect_frees_both_services(real_gateway, real_cluster, to
     assert probe.choices[0].text
 
 
+async def test_a_request_finished_at_prefill_leaves_no_block_held(real_gateway, real_cluster):
+    """max_tokens 1: the prefill instance answers with the finish and has freed the blocks
+    itself (the gateway sends no ReleaseKV): right after the answer, nothing is pinned or in
+    use beyond the baseline on either instance."""
+    baseline = await get_states(real_cluster)
+    resp = await chat(real_gateway.client, SWIM, 1)
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 1
+    states = await get_states(real_cluster)  # no polling: freed before Prefill answered
+    assert all(idle(s, b) for s, b in zip(states, baseline, strict=True)), states
+    assert states[0].num_pinned_blocks == 0 and states[0].invariants_ok, states[0]
+
+
 async def test_usage_reports_cached_tokens(real_gateway, tokenizer):
     client = real_gateway.client
     prompt = filler(tokenizer, 410, seed=4242)
