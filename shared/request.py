@@ -92,6 +92,10 @@ class Request:
     structured_output: Any = None
     """A guided request's grammar matcher (shared/structured_output/request.py), set when
     the engine adds it; None for an unguided request."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of its first full blocks known before it arrives (a KV handle's,
+    verified against the tokens): the KV cache manager extends them, never hashes those
+    blocks again."""
     kv_transfer_params: dict[str, Any] | None = None
     """KV transfer (shared/kv_transfer/connector.py), as vLLM's: set by the service,
     {"do_remote_decode": True} asks that a prefill's blocks wait for a decode instance; once

@@ -122,7 +122,7 @@ class EngineWorker:
         self.identity = identity
         self.metrics = metrics
         self.eos_token_id = eos_token_id
-        self.engine_core: EngineCore = engine.engine
+        self.engine_core: EngineCore = engine.engine_core
         """The engine's core (touch it on the engine thread only, through `engine.call`)."""
         core = self.engine_core
         self._active: set[str] = set()

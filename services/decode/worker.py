@@ -108,7 +108,7 @@ class DecodeWorker(EngineWorker):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.fetcher = KVFetcher(self.engine.engine.model_runner.kv_caches, self.config,
+        self.fetcher = KVFetcher(self.engine_core.model_runner.kv_caches, self.config,
                                  self.metrics)
         self.watermark_blocks = max(1, self.num_gpu_blocks // 100)
         self._tickets: dict[str, _Ticket] = {}
@@ -121,27 +121,14 @@ class DecodeWorker(EngineWorker):
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      output_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None) -> Request:
-        """Build and validate. Raises ValueError naming the field."""
-        vocab = self.engine.engine.model_config.vocab_size
-        bad = next((t for t in output_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"output_token_ids: token id {bad} is outside the vocabulary "
-                             f"[0, {vocab})")
-        if params.max_tokens is not None and len(output_token_ids) >= params.max_tokens:
-            raise ValueError(f"output_token_ids: {len(output_token_ids)} tokens already reach "
-                             f"max_tokens={params.max_tokens}")
+        """Build and validate (`EngineCore.validate_request`, before any block is held or
+        any KV fetched). Raises ValueError naming the field."""
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                           output_token_ids=list(output_token_ids))
-        self.engine.engine.validate_request(request)
+        self.engine_core.validate_request(request)
         if params.structured_outputs is not None:  # compiles while the KV arrives
-            self.engine.engine.structured_output.grammar(params.structured_outputs)
-        if request.num_tokens >= self.max_model_len:
-            raise ValueError(f"prompt plus output_token_ids ({request.num_tokens} tokens) "
-                             f"reach max_model_len {self.max_model_len}")
-        if -(-request.num_tokens // self.block_size) > self.num_gpu_blocks - 1:
-            raise ValueError(f"the request's {request.num_tokens} tokens need more KV blocks "
-                             f"than this instance has ({self.num_gpu_blocks - 1})")
+            self.engine_core.structured_output.grammar(params.structured_outputs)
         return request
 
     def check_handle(self, request: Request, handle: KVHandle) -> None:
@@ -178,6 +165,7 @@ class DecodeWorker(EngineWorker):
                      min(len(handle.block_hashes), len(expected)))
             raise ValueError(f"kv_transfer_params.block_hashes: block {i} does not match the "
                              "prompt (another prompt, model or cache_salt)")
+        request.block_hashes = expected  # verified: the KV cache manager hashes no more
 
     async def generate(self, request: Request,
                        handle: KVHandle | None) -> AsyncIterator[GenerateOutput]:
@@ -193,7 +181,7 @@ class DecodeWorker(EngineWorker):
                                f"request {request_id!r} is already being decoded")
         if handle is not None:
             self.check_handle(request, handle)
-        if self.num_pending() + self.engine.engine.scheduler.num_waiting \
+        if self.num_pending() + self.engine_core.scheduler.num_waiting \
                 >= self.config.max_waiting_requests:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"decode waiting queue is full ({self.config.max_waiting_requests}"

@@ -22,6 +22,7 @@ from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerCon
 from shared.engine.core_share import NO_PREFILL, CoreShare
 from shared.engine.model_runner import ModelRunner
 from shared.engine.scheduler import Scheduler
+from shared.engine.scheduling_policy import validate_request
 from shared.engine.spec_decode.config import SpeculativeConfig
 from shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
 from shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -116,20 +117,11 @@ class EngineCore:
                     scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
 
     def validate_request(self, request: Request) -> None:
-        """Raises ValueError naming the field for input the engine cannot serve."""
-        ids = request.prompt_token_ids
-        if not ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.model_runner.args.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
-                             f"[0, {vocab})")
-        limit = self.model_config.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(f"prompt_token_ids: the prompt has {len(ids)} tokens, but "
-                             f"max_model_len is {limit} (prompt plus at least one generated "
-                             "token must fit)")
+        """`scheduling_policy.validate_request` under this engine's limits: ValueError naming
+        the field for a request the engine cannot serve."""
+        validate_request(request, self.model_runner.args.vocab_size,
+                         self.model_config.max_model_len, self.kv_cache_manager.block_size,
+                         self.num_gpu_blocks)
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued.

@@ -27,11 +27,11 @@ from shared.engine.scheduler_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from shared.engine.scheduler_pause import RequestPausing
 from shared.engine.scheduling_policy import (
     admission_order,
     check_stop,
     prefill_urgency,
-    validate_new_request,
 )
 from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from shared.engine.spec_decode.verification import SpecDecodingStats
@@ -42,7 +42,7 @@ from shared.request import Request, RequestStatus
 __all__ = ["Scheduler", "check_stop"]
 
 
-class Scheduler:
+class Scheduler(RequestPausing):
     """Decides, each step, which requests run and how many of their tokens.
 
     Args:
@@ -78,22 +78,18 @@ class Scheduler:
     # -- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue `request` at the back of the waiting queue.
+        """Queue `request` at the back of the waiting queue (validated by the caller:
+        `EngineCore.add_request` runs `scheduling_policy.validate_request`).
 
         A request that arrives with `num_computed_tokens > 0` must already hold blocks for
         those tokens in `kv_cache_manager` (KV written by a transfer); it is admitted
         without a prefix-cache lookup and computes only the rest.
 
         Raises:
-            ValueError: duplicate request_id, an empty prompt, no token left to compute,
-                a prompt longer than max_model_len, or a request whose longest possible
-                sequence cannot fit in the whole KV pool (it could never finish).
+            ValueError: duplicate request_id.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
-        kv = self.kv_cache_manager
-        validate_new_request(request, self.scheduler_config.max_model_len, kv.block_size,
-                             kv.block_pool.num_gpu_blocks)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -124,64 +120,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Whether a step could make progress: an unfinished request that is not paused."""
         return len(self.requests) > len(self.paused)
-
-    # -- pause and resume (engine-side backpressure for clients that read slowly) ----------
-
-    def pause_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Stop scheduling the given unfinished requests; returns the ids newly paused.
-
-        A paused request keeps its blocks, tokens and num_computed_tokens; it leaves the
-        running list and the waiting queue, so it counts against neither max_num_seqs nor
-        the waiting bound. Idempotent: unknown, finished or already paused ids are ignored.
-        """
-        paused = []
-        for request_id in request_ids:
-            if request_id in self.requests and request_id not in self.paused:
-                self.paused[request_id] = self.requests[request_id]
-                paused.append(request_id)
-        if paused:
-            self.running = [r for r in self.running if r.request_id not in self.paused]
-            self.waiting = deque(r for r in self.waiting if r.request_id not in self.paused)
-        return paused
-
-    def resume_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Schedule paused requests again; returns the ids resumed (others are ignored).
-
-        One paused while running (or preempted while paused) goes to the front of the
-        waiting queue and is admitted again, ahead of new requests, with the blocks it kept
-        (or recomputed, if preempted); one paused before admission goes to the back.
-        """
-        resumed = []
-        for request_id in request_ids:
-            request = self.paused.pop(request_id, None)
-            if request is None:
-                continue
-            resumed.append(request_id)
-            if request.status == RequestStatus.WAITING:
-                self.waiting.append(request)
-                continue
-            if request.status == RequestStatus.RUNNING:
-                request.status = RequestStatus.WAITING  # holds its blocks: admitted at once
-            self.waiting.appendleft(request)
-        return resumed
-
-    def preempt_paused(self) -> bool:
-        """Free the blocks of the longest-paused request holding any (recompute on resume).
-        Returns False when no paused request holds blocks. Its id is reported in the next
-        `SchedulerOutput.preempted_request_ids`; it moves to the end of `paused` (so the
-        holders stay in front: no rescan of a thousand freed ones per call)."""
-        kv = self.kv_cache_manager
-        request = next((r for r in self.paused.values() if kv.get_block_ids(r.request_id)), None)
-        if request is None:
-            return False
-        kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._paused_preempted_ids.append(request.request_id)
-        self.paused[request.request_id] = self.paused.pop(request.request_id)
-        return True
 
     @property
     def num_running(self) -> int:
@@ -389,10 +327,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    def _take_paused_preempted_ids(self) -> list[str]:
-        ids, self._paused_preempted_ids = self._paused_preempted_ids, []
-        return ids
 
     def _finish(self, request: Request) -> None:
         del self.requests[request.request_id]

@@ -1,11 +1,13 @@
 """Scheduling policy, the scheduler's pure parts: who may enter, in what order, when to stop.
 
-    validate_new_request(request, ...)   add_request's checks (ValueError naming the cause)
+    validate_request(request, ...)       EngineCore.add_request's checks (ValueError naming
+                                         the field)
     admission_order(waiting, config)     the order schedule() tries to admit waiting requests
     check_stop(request, max_model_len)   whether a request is done (from shared/stop_rules.py)
     prefill_urgency(waiting, running, config)   the next prefill's size, for the core share
 
-None of these touch the KV cache or the scheduler's queues; `Scheduler` calls them.
+None of these touch the KV cache or the scheduler's queues; `Scheduler` and `EngineCore`
+call them.
 """
 
 from __future__ import annotations
@@ -19,34 +21,51 @@ from shared.request import Request, RequestStatus
 from shared.stop_rules import check_stop as check_stop  # re-exported: the scheduler's rule
 
 
-def validate_new_request(request: Request, max_model_len: int, block_size: int,
-                         num_gpu_blocks: int) -> None:
-    """Raise ValueError when `request` cannot be scheduled.
+def validate_request(request: Request, vocab_size: int, max_model_len: int, block_size: int,
+                     num_gpu_blocks: int) -> None:
+    """Raise ValueError, naming the field, when the engine cannot serve `request` (the one
+    request validator: `EngineCore.add_request` runs it).
 
-    Causes: an empty prompt, no token left to compute, a prompt longer than max_model_len,
-    or a request whose longest possible sequence cannot fit in the whole KV pool of
-    `num_gpu_blocks` blocks (block 0 is the null block) - it could never finish.
+    Causes: an empty prompt; a token id (prompt or output) outside [0, vocab_size); a
+    prompt or sequence that leaves no room for a generated token under max_model_len;
+    output tokens that already reach max_tokens; no token left to compute; a request whose
+    longest possible sequence cannot fit in the whole KV pool of `num_gpu_blocks` blocks
+    (block 0 is the null block) - it could never finish.
     """
-    num_prompt = request.num_prompt_tokens
+    rid, num_prompt = request.request_id, request.num_prompt_tokens
     if num_prompt == 0:
-        raise ValueError(f"request {request.request_id!r} has an empty prompt")
-    if request.num_computed_tokens >= request.num_tokens:
-        raise ValueError(f"request {request.request_id!r} has nothing left to compute "
-                         f"({request.num_computed_tokens} of {request.num_tokens} tokens)")
-    if num_prompt > max_model_len:
-        raise ValueError(f"prompt length {num_prompt} of request {request.request_id!r} "
-                         f"exceeds max_model_len {max_model_len}")
-    # Generation stops once num_tokens >= max_model_len; the last token needs no KV.
-    max_num_tokens = max(max_model_len, num_prompt + 1)
+        raise ValueError(f"prompt_token_ids must not be empty (request {rid!r} has an empty "
+                         "prompt)")
+    for field, ids in (("prompt_token_ids", request.prompt_token_ids),
+                       ("output_token_ids", request.output_token_ids)):
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field}: token id {bad!r} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+    if num_prompt >= max_model_len:
+        raise ValueError(f"prompt_token_ids: prompt length {num_prompt} of request {rid!r} "
+                         f"reaches max_model_len {max_model_len} (prompt plus at least one "
+                         "generated token must fit)")
+    if request.num_tokens >= max_model_len:
+        raise ValueError(f"prompt plus output_token_ids ({request.num_tokens} tokens) "
+                         f"reach max_model_len {max_model_len}")
     max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None and request.num_output_tokens >= max_tokens:
+        raise ValueError(f"output_token_ids: {request.num_output_tokens} tokens already reach "
+                         f"max_tokens={max_tokens}")
+    if request.num_computed_tokens >= request.num_tokens:
+        raise ValueError(f"request {rid!r} has nothing left to compute "
+                         f"({request.num_computed_tokens} of {request.num_tokens} tokens)")
+    # Generation stops once num_tokens >= max_model_len; the last token needs no KV.
+    max_num_tokens = max_model_len
     if max_tokens is not None:
         max_num_tokens = min(max_num_tokens, num_prompt + max_tokens)
     num_blocks_needed = -(-(max_num_tokens - 1) // block_size)
     num_usable = num_gpu_blocks - 1
     if num_blocks_needed > num_usable:
-        raise ValueError(f"request {request.request_id!r} may need {num_blocks_needed} KV "
-                         f"blocks ({max_num_tokens - 1} tokens), more than the pool's "
-                         f"{num_usable}; lower max_tokens")
+        raise ValueError(f"request {rid!r} may need {num_blocks_needed} KV blocks "
+                         f"({max_num_tokens - 1} tokens), more than the pool's {num_usable}; "
+                         "lower max_tokens")
 
 
 def admission_order(waiting: Iterable[Request], config: SchedulerConfig) -> list[Request]:

@@ -101,10 +101,11 @@ class KVCacheManager:
         return list(self._block_hashes(request))
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """The memoized hash list, extended to every full block of the known tokens."""
+        """The memoized hash list (from `request.block_hashes` when given), extended to
+        every full block of the known tokens."""
         hashes = self._req_to_block_hashes.get(request.request_id)
         if hashes is None:
-            hashes = self._req_to_block_hashes[request.request_id] = []
+            hashes = self._req_to_block_hashes[request.request_id] = list(request.block_hashes)
         num_full = request.num_tokens // self.block_size
         if len(hashes) < num_full:
             bs = self.block_size

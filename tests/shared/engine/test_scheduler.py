@@ -7,6 +7,7 @@ import pytest
 import shared.kv_cache.kv_cache_manager as kv_cache_manager_module
 from shared.config import SchedulerConfig
 from shared.engine.scheduler import Scheduler, check_stop
+from shared.engine.scheduling_policy import validate_request
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.kv_transfer.connector import KVConnector
 from shared.request import FinishReason, Request, RequestStatus
@@ -107,21 +108,39 @@ def shape(out) -> list[tuple[str, int, int, bool]]:
 
 # -- admission ------------------------------------------------------------------------------
 
-def test_add_request_validation():
-    sched = make_scheduler(max_model_len=100)
-    with pytest.raises(ValueError, match=r"prompt length 101 .* max_model_len 100"):
-        sched.add_request(make_request("long", 101))
-    with pytest.raises(ValueError, match="empty prompt"):
-        sched.add_request(make_request("empty", prompt=[]))
+def test_add_request_refuses_a_duplicate_id():
+    sched = make_scheduler()
     sched.add_request(make_request("a", 10))
     with pytest.raises(ValueError, match="already"):
         sched.add_request(make_request("a", 10))
-    tiny = make_scheduler(num_blocks=4, max_model_len=1000)  # 3 usable blocks = 48 tokens
+    assert sched.num_waiting == 1
+
+
+def test_validate_request():
+    """EngineCore.add_request's one validator (scheduling_policy.validate_request)."""
+    def validate(request, max_model_len=100, num_gpu_blocks=64):
+        validate_request(request, 500, max_model_len, BS, num_gpu_blocks)
+
+    with pytest.raises(ValueError, match=r"prompt length 101 .* max_model_len 100"):
+        validate(make_request("long", 101))
+    with pytest.raises(ValueError, match="prompt_token_ids.*empty prompt"):
+        validate(make_request("empty", prompt=[]))
+    with pytest.raises(ValueError, match=r"prompt_token_ids: token id 500 .*vocabulary"):
+        validate(make_request("vocab", prompt=[1, 500]))
+    resumed = make_request("resumed", 10, max_tokens=3)
+    resumed.output_token_ids = [1, 2, 3]
+    with pytest.raises(ValueError, match="output_token_ids: 3 tokens already reach max_tokens=3"):
+        validate(resumed)
+    resumed.output_token_ids = [1, 600]
+    with pytest.raises(ValueError, match="output_token_ids: token id 600"):
+        validate(resumed)
+    resumed.output_token_ids = [1] * 90
+    with pytest.raises(ValueError, match=r"\(100 tokens\) reach max_model_len 100"):
+        validate(resumed)
+    # 3 usable blocks = 48 tokens
     with pytest.raises(ValueError, match="KV blocks"):
-        tiny.add_request(make_request("big", 40, max_tokens=10))
-    tiny.add_request(make_request("fits", 40, max_tokens=9))  # 48 KV tokens at most
-    assert sched.num_waiting == 1 and tiny.num_waiting == 1
-    assert not any(r.request_id == "long" for r in sched.waiting)
+        validate(make_request("big", 40, max_tokens=10), 1000, 4)
+    validate(make_request("fits", 40, max_tokens=9), 1000, 4)  # 48 KV tokens at most
 
 
 def test_prompt_of_exactly_max_model_len_gets_one_token():

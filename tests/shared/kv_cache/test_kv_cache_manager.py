@@ -253,3 +253,19 @@ def test_manager_check_catches_ref_count_drift():
     manager.block_pool.blocks[1].ref_cnt += 1  # a reference nobody holds
     with pytest.raises(AssertionError, match="ref_cnt"):
         manager.check_invariants()
+
+
+def test_known_block_hashes_are_extended_not_recomputed(monkeypatch):
+    """A request arriving with verified hashes (a decode's KV handle) is hashed only past
+    them, and gets the hashes a fresh hashing gives."""
+    import shared.kv_cache.kv_cache_manager as module
+
+    prompt = list(range(1, 3 * BS + 5))
+    fresh = make_manager(8).get_block_hashes(make_request("fresh", prompt))
+    calls = []
+    real = module.hash_block_tokens
+    monkeypatch.setattr(module, "hash_block_tokens",
+                        lambda *args: calls.append(1) or real(*args))
+    req = make_request("known", prompt)
+    req.block_hashes = hash_request_tokens(prompt[:2 * BS], BS, block_extra_keys("m", None))
+    assert make_manager(8).get_block_hashes(req) == fresh and len(calls) == 1
