@@ -5,9 +5,11 @@ runs on the engine thread, between steps, through `AsyncEngine.call`; the functi
 `*_op` below are such ops (they take the EngineCore and must not block).
 
 NOTE: control calls (Abort, ReleaseKV, GetState, health) never wait for a model step, which
-can take seconds (a 2,048-token chunk on 2 cores): Abort and ReleaseKV answer from this
-worker's own state and queue their engine op without awaiting it (the op runs before the
-next step is scheduled); GetState waits for the engine thread at most STATE_WAIT_S.
+can take seconds (a 2,048-token chunk on 2 cores): Abort and ReleaseKV answer from the
+AsyncEngine's streams and the KV connector's table (shared/kv_transfer/connector.py) and
+queue their engine op without awaiting it (the op runs before the next step is scheduled);
+GetState waits for the engine thread at most STATE_WAIT_S. Who owns a request's blocks in
+each state: docs/lifecycle.md.
 """
 
 from __future__ import annotations

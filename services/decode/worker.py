@@ -19,7 +19,8 @@ Without a handle the request goes straight to the engine, which prefills it here
 Whatever happens, the request's blocks end up freed: by the scheduler when it finishes or
 is aborted, by `free_unscheduled_op` (shielded) on every other way out. A request that never
 reaches the transfer (aborted or failing while queued for blocks) sends its ReleaseKV on the
-way out; the prefill's TTL unpins what a dead decode instance never released.
+way out; the prefill's TTL unpins what a dead decode instance never released. States and
+block owners: docs/lifecycle.md.
 """
 
 from __future__ import annotations
