@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.gateway.health import InstanceStatus
 from shared import config as shared_config
 from shared.proto import engine_pb2, engine_pb2_grpc
-from tests.conftest import PARITY_MESSAGES
+from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.e2e.conftest import Urls
 from tests.procs import ServiceGroup, ServiceProcess
 from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
@@ -198,8 +198,19 @@ async def _reference(gw: RunningGateway) -> list[StreamResult]:
 
 
 def _assert_same(results: list[StreamResult], reference: list[StreamResult]) -> None:
+    """fp32: the undisturbed answers, token for token. Quantized modes: no error event, the
+    chunks streamed before the failover kept as they were, and a complete answer; the rest
+    may differ, since the new instance recomputes the KV in a prefill, whose rounding
+    differs from the decode steps' at the 1e-7 level, and int8 activations turn such a
+    difference into another token now and then (exactness across paths is a parity
+    property, fp32-only like the parity tests)."""
     for got, ref in zip(results, reference, strict=True):
         assert got.done and not got.errors, got.errors
+        if TEST_QUANTIZATION != "none":
+            assert got.texts[:KILL_AFTER_TOKENS] == ref.texts[:KILL_AFTER_TOKENS]
+            assert got.finish_reason in ("stop", "length")
+            assert got.completion_tokens >= KILL_AFTER_TOKENS
+            continue
         assert got.text == ref.text
         assert (got.finish_reason, got.completion_tokens) == \
             (ref.finish_reason, ref.completion_tokens)
