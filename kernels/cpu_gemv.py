@@ -26,17 +26,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from kernels.cpu_build import build_library, find_compiler
-
-logger = logging.getLogger(__name__)
+from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "f32_gemv_cpu.c"
 PANEL = 64
@@ -81,16 +77,8 @@ def _has_avx512() -> bool:
 def load_kernel():
     """Compiles and loads `csrc/f32_gemv_cpu.c`; None without a compiler or AVX-512 (the
     portable C loop is slower than oneDNN, so it is not used)."""
-    compiler = find_compiler()
-    if compiler is None or not _has_avx512():
-        return None
-    with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
-        library = build_library(compiler, SOURCE, _DEFINES, FLAG_SETS, Path(build_dir))
-        if library is None:
-            logger.warning("could not compile %s; fp32 GEMVs stay on oneDNN", SOURCE)
-            return None
-        lib = ctypes.CDLL(str(library))  # dlopen maps the file: the directory may go
-    if lib.f32_gemv_panel() != PANEL:
+    lib = load_library(SOURCE, _DEFINES, FLAG_SETS) if _has_avx512() else None
+    if lib is None or lib.f32_gemv_panel() != PANEL:
         return None
     fn = lib.f32_gemv
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

@@ -16,7 +16,7 @@ a 12-row x 32-column register-blocked GEMM. Every output is the same fp32 FMA ch
 whatever the batch, so a row's result does not depend on the other rows. Without a C compiler
 `linear` dequantizes and calls F.linear (correct, slow). The W8A8 path (`cpu_int8_vnni`,
 llama.cpp Q8_0-style activations per row and block of 32 k, vpdpbusd int32 dots) reads the
-same packed weights.
+weights packed once at load in the layout its tiles read (`cpu_int8_vnni.pack_weight`).
 
 Why weight-only (measured on this project's 2-core AVX-512 machine, docs/benchmarks.md
 "int8"; the 30 layers' matmuls, ms: M=1 fp32 26.2, this kernel 5.4, fbgemm 7.3; M=64 77.9,
@@ -36,7 +36,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_int8_vnni
-from kernels.cpu_build import build_library, find_compiler
+from kernels.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +61,14 @@ class Int8Weight(NamedTuple):
     """A linear layer's weight in int8 (symmetric per output channel), packed for the kernel.
 
         qpacked[p, k, c] = q[32 * p + c, k]      (rows past N are zeros)
+
+    or, for a `w8a8` layer where the VNNI kernel runs, that kernel's layout
+    (`cpu_int8_vnni.pack_weight`): qpacked[p, k // 4, c, k % 4] = q[32 * p + c, k] + 128.
     """
 
     qpacked: torch.Tensor
-    """[ceil(N / 32), K, 32] int8 in [-127, 127], contiguous."""
+    """[ceil(N / 32), K, 32] int8 in [-127, 127], or [ceil(N / 32), K / 4, 32, 4] uint8 in
+    [1, 255] (VNNI layout), contiguous."""
     scale: torch.Tensor
     """[32 * ceil(N / 32)] float32: w[n, :] ~= scale[n] * q[n, :] (1 past N)."""
     bias: torch.Tensor
@@ -76,11 +79,22 @@ class Int8Weight(NamedTuple):
     """Quantize the activations too (`cpu_int8_vnni`, AVX-512 VNNI CPUs): set per layer by
     `quantize_linear(..., w8a8=True)`; False keeps fp32 activations (weight-only)."""
 
+    def panels(self) -> torch.Tensor:
+        """[ceil(N / 32), K, 32] int8: `qpacked` in the weight-only layout (a view, or a copy
+        from the VNNI layout)."""
+        if self.qpacked.dim() == 4:
+            return cpu_int8_vnni.unpack_weight(self.qpacked)
+        return self.qpacked
+
+    def int_weight(self) -> torch.Tensor:
+        """[N, K] int8: q."""
+        qpacked = self.panels()
+        num_panels, k, _ = qpacked.shape
+        return qpacked.transpose(1, 2).reshape(num_panels * PANEL, k)[:self.out_features]
+
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: scale * q."""
-        num_panels, k, _ = self.qpacked.shape
-        q = self.qpacked.transpose(1, 2).reshape(num_panels * PANEL, k)[:self.out_features]
-        return q.float() * self.scale[:self.out_features, None]
+        return self.int_weight().float() * self.scale[:self.out_features, None]
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +112,8 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                     w8a8: bool = False) -> Int8Weight:
     """A linear layer's fp32 weight [N, K] (and bias [N]) -> Int8Weight; `w8a8`: run it with
-    int8 activations where the CPU has VNNI (`cpu_int8_vnni`).
+    int8 activations where the CPU has VNNI (`cpu_int8_vnni`; the weights are then stored in
+    its layout when K is a multiple of its block, else the layer stays weight-only).
 
     Raises:
         ValueError: not a 2-D CPU weight.
@@ -117,6 +132,8 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     bias_pad = torch.zeros(n_pad)
     if bias is not None:
         bias_pad[:n] = bias.detach().float()
+    if w8a8 and k % cpu_int8_vnni.BLOCK == 0 and cpu_int8_vnni.load_kernel() is not None:
+        qpacked = cpu_int8_vnni.pack_weight(qpacked)
     return Int8Weight(qpacked, scale_pad, bias_pad, n, w8a8)
 
 
@@ -125,17 +142,10 @@ def load_kernel():
     """Compiles and loads `csrc/int8_linear_cpu.c` (and the W8A8 `cpu_int8_vnni` kernel);
     None when it cannot be built here."""
     cpu_int8_vnni.load_kernel()
-    compiler = find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found; int8 linear layers dequantize (slow)")
+    lib = load_library(SOURCE, [], FLAG_SETS)
+    if lib is None:
+        logger.warning("could not build %s; int8 linear layers dequantize (slow)", SOURCE)
         return None
-    with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
-        library = build_library(compiler, SOURCE, [], FLAG_SETS, Path(build_dir))
-        if library is None:
-            logger.warning("could not compile %s; int8 linear layers dequantize (slow)",
-                           SOURCE)
-            return None
-        lib = ctypes.CDLL(str(library))  # dlopen maps the file: the directory may go
     fn = lib.int8_linear_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
@@ -146,15 +156,15 @@ def load_kernel():
 def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """x [M, K] float32 CPU -> x @ (scale * q).T + bias, [M, N] float32.
 
-    A `w.w8a8` layer on an AVX-512 VNNI CPU (from `cpu_int8_vnni.min_rows()` rows) quantizes
-    the activations too, int8 per row and block of 32 k (`cpu_int8_vnni.linear`); otherwise
-    weight-only."""
+    A `w.w8a8` layer packed for the VNNI kernel quantizes the activations too, int8 per row
+    and block of 32 k (`cpu_int8_vnni.linear`), at every batch size; otherwise weight-only."""
     num_rows, k = x.shape
     n = w.out_features
-    if w.w8a8 and num_rows >= cpu_int8_vnni.min_rows():
-        out = cpu_int8_vnni.linear(x, w)
+    if w.qpacked.dim() == 4:  # VNNI layout: no weight-only kernel reads it
+        out = cpu_int8_vnni.linear(x, w) if w.w8a8 else None
         if out is not None:
             return out
+        return F.linear(x.float(), w.dequantize(), w.bias[:n])
     kernel = load_kernel() if x.dtype == torch.float32 else None
     if kernel is not None:
         if x.stride(1) != 1:
@@ -171,5 +181,9 @@ def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
 
 def embedding(input_ids: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """input_ids [T] int64 -> [T, K] float32: the rows of scale * q (gathered from panels)."""
-    q = w.qpacked[input_ids // PANEL, :, input_ids % PANEL]  # [T, K]
+    if w.qpacked.dim() == 4:  # VNNI layout: [T, K / 4, 4] uint8, q + 128
+        q = w.qpacked[input_ids // PANEL, :, input_ids % PANEL, :]
+        q = q.reshape(len(input_ids), -1).bitwise_xor(0x80).view(torch.int8)
+    else:
+        q = w.qpacked[input_ids // PANEL, :, input_ids % PANEL]  # [T, K]
     return q.float().mul_(w.scale[input_ids, None])

@@ -1,17 +1,18 @@
-"""int8 x int8 (W8A8) linear for many rows on CPUs with AVX-512 VNNI: `cpu_int8.linear` uses
-it from `MIN_ROWS` rows up (decode batches, prefill chunks); fewer rows keep the weight-only
-kernel, which reads the int8 weights at memory bandwidth.
+"""int8 x int8 (W8A8) linear on CPUs with AVX-512 VNNI, for every batch size: `cpu_int8.linear`
+runs `w8a8` layers through it (decode batches of any size, prefill chunks).
 
-    y = linear(x, w8)        # x [M, K] fp32, w8 a cpu_int8.Int8Weight -> [M, N] fp32, or None
+    wv = pack_weight(qpacked)  # once at load (`cpu_int8.quantize_linear(..., w8a8=True)`)
+    y = linear(x, w8)          # x [M, K] fp32, w8 a cpu_int8.Int8Weight -> [M, N] fp32, or None
 
 Activations are quantized dynamically per row in blocks of `BLOCK` consecutive k, symmetric
 (llama.cpp's Q8_0: d = max|x| / 127, q = round(x / d) in [-127, 127]; `quantize_activations`
-is the same in torch); the weights are the per-output-channel int8 of `cpu_int8`, unchanged in
-memory. Each block's int32 dot products come from vpdpbusd (Intel AVX-512 VNNI,
-`_mm512_dpbusd_epi32`; ggml `ggml_vec_dot_q8_0_q8_0` is the same arithmetic), accumulated in
-fp32: acc += dot * d[row, block], then y = acc * scale[n] + bias[n]. See
-`csrc/int8_vnni_cpu.c` for the layout and the unsigned-by-signed offset. A row's result does
-not depend on the other rows of the call.
+is the same in torch); the weights are the per-output-channel int8 of `cpu_int8`, packed once
+at load in the layout the kernel's tiles read (`pack_weight`: 4 k of a channel per int32
+lane, offset to uint8). Each block's int32 dot products come from vpdpbusd (Intel AVX-512
+VNNI, `_mm512_dpbusd_epi32`; ggml `ggml_vec_dot_q8_0_q8_0` is the same arithmetic),
+accumulated in fp32: acc += dot * d[row, block], then y = acc * scale[n] + bias[n]. A row's
+result does not depend on the other rows of the call; NaN / inf in a row's activations come
+out as NaN / inf in its outputs. See `csrc/int8_vnni_cpu.c` for the tiles and the schedule.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu_build import build_library, find_compiler
+from kernels.cpu_build import load_library
 
 if TYPE_CHECKING:
     from kernels.cpu_int8 import Int8Weight
@@ -36,39 +35,19 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "int8_vnni_cpu.c"
 # Only -march=native can enable VNNI; never -ffast-math (see cpu_build.py).
 FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
-DEFINES: list[str] = []
 BLOCK = 32
 """Activation quantization block along K (Q8_0's 32); K must be a multiple of it."""
-MIN_ROWS = 1
-"""Rows from which `cpu_int8.linear` takes this path for a `w8a8` layer: with 1-16 rows the
-kernel reads each panel once as stored (re-packed in registers), as fast as the weight-only
-kernel at 1 row and faster from 2 (single-thread micro-timings, docs/engine-contracts.md);
-from 1, a row's result does not depend on the batch size either."""
-MIN_ROWS_ENV = "PDSERVE_INT8_W8A8_MIN_ROWS"
-"""Overrides MIN_ROWS (e.g. a huge value: weight-only int8 at every batch size, for A/B)."""
-
-
-def min_rows() -> int:
-    """MIN_ROWS, or the integer in $PDSERVE_INT8_W8A8_MIN_ROWS when set."""
-    value = os.environ.get(MIN_ROWS_ENV, "").strip()
-    return int(value) if value else MIN_ROWS
+PANEL = 32
+"""Output channels per packed panel (`cpu_int8.PANEL`)."""
 
 
 @functools.cache
 def load_kernel():
     """Compiles and loads `csrc/int8_vnni_cpu.c`; None without a compiler, without AVX-512
     VNNI at compile time (no -march=native) or on a CPU that lacks it at run time."""
-    compiler = find_compiler()
-    if compiler is None:
-        return None
-    with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
-        library = build_library(compiler, SOURCE, DEFINES, FLAG_SETS, Path(build_dir))
-        if library is None:
-            logger.info("could not compile %s; int8 layers stay weight-only", SOURCE)
-            return None
-        lib = ctypes.CDLL(str(library))  # dlopen maps the file: the directory may go
-    if not lib.int8_vnni_available():
-        logger.info("no AVX-512 VNNI here; int8 layers stay weight-only")
+    lib = load_library(SOURCE, [], FLAG_SETS)
+    if lib is None or not lib.int8_vnni_available():
+        logger.info("no AVX-512 VNNI kernel here; int8 layers stay weight-only")
         return None
     fn = lib.int8_vnni_linear_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -77,12 +56,30 @@ def load_kernel():
     return fn
 
 
+def pack_weight(qpacked: torch.Tensor) -> torch.Tensor:
+    """`cpu_int8` panels [P, K, 32] int8 (K % 4 == 0) -> the kernel's layout, a new tensor:
+
+        wv[p, k // 4, c, k % 4] = qpacked[p, k, c] + 128      [P, K / 4, 32, 4] uint8
+    """
+    p, k, c = qpacked.shape
+    wv = qpacked.view(p, k // 4, 4, c).permute(0, 1, 3, 2).contiguous()
+    return wv.view(torch.uint8).bitwise_xor_(0x80)  # two's complement q + 128
+
+
+def unpack_weight(wv: torch.Tensor) -> torch.Tensor:
+    """`pack_weight`'s inverse: [P, K / 4, 32, 4] uint8 -> [P, K, 32] int8."""
+    p, k4, c, _ = wv.shape
+    q = wv.bitwise_xor(0x80).view(torch.int8)
+    return q.permute(0, 1, 3, 2).reshape(p, k4 * 4, c)
+
+
 def linear(x: torch.Tensor, w: Int8Weight, block: int = BLOCK) -> torch.Tensor | None:
     """x [M, K] float32 CPU -> [M, N] float32, the W8A8 product with `block`-wise activations;
-    None when this path does not apply here (no VNNI kernel, not fp32, K % block != 0, or
-    block not a multiple of 16): the caller then runs the weight-only kernel."""
+    None when this path does not apply (no VNNI kernel, weights not packed by `pack_weight`,
+    x not fp32, K % block != 0, or block not a multiple of 16): the caller then runs the
+    weight-only path."""
     num_rows, k = x.shape
-    kernel = load_kernel() if x.dtype == torch.float32 else None
+    kernel = load_kernel() if x.dtype == torch.float32 and w.qpacked.dim() == 4 else None
     if kernel is None or block <= 0 or block % 16 or k % block:
         return None
     if x.stride(1) != 1:
@@ -101,12 +98,21 @@ def quantize_activations(x: torch.Tensor, block: int = BLOCK
     """The kernel's activation quantization in torch: x [M, K] float32 (K % block == 0) ->
     (q [M, K] int8 in [-127, 127], d [M, K / block] float32), x ~= q * d per block.
 
-    d = max|x| / 127 over the block; q = round_half_even(x * (1 / d)), 0 where d == 0.
+    d = max|x| / 127 over the block; q = round_half_even(x * (1 / d)); d = 0 and q = 0 where
+    max|x| < FLT_MIN. A block holding NaN: d = NaN, q = 0; holding +-inf (no NaN): d = +inf,
+    q = +-127 at the infinities and 0 elsewhere.
     """
     m, k = x.shape
     xb = x.float().reshape(m, k // block, block)
-    d = xb.abs().amax(dim=2) / 127.0
-    inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)),
-                      torch.zeros_like(d))
-    q = torch.round(xb * inv[:, :, None]).clamp_(-127, 127).to(torch.int8)
+    amax = xb.abs().amax(dim=2)
+    has_nan = xb.isnan().any(dim=2)
+    special = has_nan | amax.isinf()
+    tiny = amax < torch.finfo(torch.float32).tiny
+    d = torch.where(tiny, torch.zeros_like(amax), amax / 127.0)
+    d = torch.where(has_nan, torch.full_like(d, float("nan")), d)
+    safe = torch.where(tiny | special, torch.ones_like(d), d)
+    inv = torch.where(tiny | special, torch.zeros_like(d), 1.0 / safe)
+    q = torch.round(torch.nan_to_num(xb * inv[:, :, None], nan=0.0)).clamp_(-127, 127)
+    inf_q = torch.where(xb.isinf(), xb.sign() * 127, torch.zeros_like(xb))
+    q = torch.where(special[:, :, None], inf_q, q).to(torch.int8)
     return q.reshape(m, k), d

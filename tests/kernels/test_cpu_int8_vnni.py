@@ -1,8 +1,8 @@
 """kernels/cpu_int8_vnni: the W8A8 kernel (activations int8 per row and block of k, vpdpbusd)
-against the same block quantization done in torch (float64 sums), both paths (<= 16 rows: the
-panel re-packed in registers; more: re-packed once per call), odd shapes, rows independent of
-the batch, and `cpu_int8.linear`'s dispatch (w8a8 layers only; K not a multiple of the block
-or no VNNI: weight-only)."""
+against the same block quantization done in torch (float64 sums), tile tails and row blocks,
+odd shapes, rows independent of the batch, NaN / inf propagated, the packed layout, and
+`cpu_int8.linear`'s dispatch (w8a8 layers only; K not a multiple of the block or no VNNI:
+weight-only)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def reference(x: torch.Tensor, w8: cpu_int8.Int8Weight, block: int) -> torch.Ten
     """The kernel's arithmetic in torch: block int dots (exact in float64), scaled."""
     q, d = vnni.quantize_activations(x, block)
     n, (m, k) = w8.out_features, x.shape
-    qw = w8.qpacked.transpose(1, 2).reshape(-1, k)[:n].double()
+    qw = w8.int_weight().double()
     dots = torch.einsum("mbk,nbk->mnb", q.double().view(m, k // block, block),
                         qw.view(n, k // block, block))
     return (dots * d.double()[:, None, :]).sum(2) * w8.scale[:n].double() + w8.bias[:n]
@@ -55,13 +55,14 @@ def test_the_kernel_is_built_where_the_cpu_has_vnni():
 
 @needs_kernel
 @pytest.mark.parametrize("m, n, k, block, bias", [
-    (1, 40, 64, 32, True),        # in-register path; a panel tail of 8
-    (7, 7, 32, 32, True),         # N < 16: one masked half; tiles of 4 + 3
-    (16, 960, 576, 32, False),    # the largest in-register call
-    (17, 576, 576, 32, True),     # re-packed: tiles of 6 + a tail of 5
+    (1, 40, 64, 32, True),        # one row; a panel tail of 8
+    (7, 7, 32, 32, True),         # N < 16: one masked half; tiles of 6 + 1
+    (16, 960, 576, 32, False),
+    (17, 576, 576, 32, True),     # tiles of 6 + a tail of 5
     (67, 576, 1536, 32, False),   # a tail of 1
+    (200, 70, 576, 32, True),     # three row blocks (96 rows), the last of 8
     (11, 50, 1536, 64, True),     # block 64
-    (20, 33, 64, 16, True)])      # block 16, re-packed
+    (20, 33, 64, 16, True)])      # block 16
 def test_kernel_matches_the_block_quantized_reference(m, n, k, block, bias):
     w8, g = _layer(n, k, bias, m * 1000 + n + k)
     x = torch.randn(m, k, generator=g) * 3
@@ -81,9 +82,11 @@ def test_rows_do_not_depend_on_the_batch():
     x = torch.randn(64, 576, generator=g)
     x[7] *= 50  # an outlier row must not change the others
     full = cpu_int8.linear(x, w8)
-    # 1-16 rows run the in-register path, more the re-packed one: the same arithmetic
+    # rows land in other tiles (6 rows) and row blocks (96 rows): the same arithmetic
     for rows in ([0], [5, 6], list(range(3, 9)), list(range(9, 33)), [7, 1, 60, 2, 30]):
         assert torch.equal(cpu_int8.linear(x[rows], w8), full[rows]), rows
+    big = torch.cat([torch.randn(150, 576, generator=g), x])  # x's rows in row blocks 2-3
+    assert torch.equal(cpu_int8.linear(big, w8)[150:], full)
     strided = torch.randn(8, 1152, generator=g)[:, ::2]  # column stride 2
     assert torch.equal(cpu_int8.linear(strided, w8), cpu_int8.linear(strided.contiguous(), w8))
 
@@ -92,29 +95,63 @@ def test_rows_do_not_depend_on_the_batch():
 def test_dispatch_by_rows_and_shape(monkeypatch):
     w8, g = _layer(40, 64, True, 1)
     x = torch.randn(8, 64, generator=g)
-    assert vnni.min_rows() == vnni.MIN_ROWS == 1
     assert torch.equal(cpu_int8.linear(x[:1], w8), vnni.linear(x[:1], w8))
     weight_only = F.linear(x, w8.dequantize(), w8.bias[:40])
     assert (cpu_int8.linear(x, w8) - weight_only).abs().max() > 1e-4  # activations quantized
     # a layer without w8a8 (the default) stays weight-only
     assert not cpu_int8.quantize_linear(torch.ones(2, 16)).w8a8
     torch.testing.assert_close(cpu_int8.linear(x, w8._replace(w8a8=False)), weight_only)
-    monkeypatch.setenv(vnni.MIN_ROWS_ENV, "5")  # fewer rows: weight-only
-    torch.testing.assert_close(cpu_int8.linear(x[:4], w8), weight_only[:4])
-    assert torch.equal(cpu_int8.linear(x[:5], w8), vnni.linear(x[:5], w8))
-    monkeypatch.delenv(vnni.MIN_ROWS_ENV)
+    assert cpu_int8.linear(x.double(), w8).dtype == torch.float32  # no kernel: dequantized
     # K not a multiple of the block: refused here, weight-only in cpu_int8.linear
     w48, g = _layer(9, 48, False, 2)
     x48 = torch.randn(7, 48, generator=g)
+    assert w48.qpacked.dim() == 3  # kept in the weight-only layout
     assert vnni.linear(x48, w48) is None and vnni.linear(x, w8, block=24) is None
     torch.testing.assert_close(cpu_int8.linear(x48, w48), F.linear(x48, w48.dequantize()))
     assert cpu_int8.linear(torch.empty(0, 64), w8).shape == (0, 40)
 
 
 def test_without_vnni_it_stays_weight_only(monkeypatch):
-    w8, g = _layer(20, 32, True, 3)
-    x = torch.randn(9, 32, generator=g)
     monkeypatch.setattr(vnni, "load_kernel", lambda: None)
+    w8, g = _layer(20, 32, True, 3)
+    assert w8.qpacked.shape == (1, 32, 32) and w8.qpacked.dtype == torch.int8
+    x = torch.randn(9, 32, generator=g)
     assert vnni.linear(x, w8) is None
     torch.testing.assert_close(cpu_int8.linear(x, w8),
                                F.linear(x, w8.dequantize(), w8.bias[:20]))
+
+
+@needs_kernel
+def test_weights_are_packed_once_in_the_tile_layout():
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
+    w8, q = cpu_int8.quantize_linear(w, w8a8=True), cpu_int8.quantize_linear(w).qpacked
+    assert w8.qpacked.shape == (2, 16, 32, 4) and w8.qpacked.dtype == torch.uint8
+    # wv[p, k // 4, c, k % 4] = q[32p + c, k] + 128
+    assert w8.qpacked[1, 2, 3, 1].item() == q[1, 9, 3].item() + 128
+    assert torch.equal(vnni.unpack_weight(w8.qpacked), q)
+    assert torch.equal(w8.panels(), q)
+    ids = torch.tensor([0, 39, 33, 0])
+    assert torch.equal(cpu_int8.embedding(ids, w8), w8.dequantize()[ids])
+
+
+@needs_kernel
+def test_nan_and_inf_come_out_non_finite():
+    w8, g = _layer(70, 128, True, 6)
+    x = torch.randn(9, 128, generator=g)
+    x[1, 5] = float("nan")
+    x[3, 40] = float("inf")
+    x[4, 100] = float("-inf")
+    x[5, 64:96] = 1e-39  # below FLT_MIN: a zero block, finite
+    x[6, 7], x[6, 70] = float("inf"), float("nan")
+    got = cpu_int8.linear(x, w8)
+    ref = F.linear(x, w8.dequantize(), w8.bias[:70])
+    assert got[1].isnan().all() and got[6].isnan().all()
+    for row in (3, 4):  # +-inf where fp32 has it, with its sign
+        assert torch.equal(got[row].isinf(), ref[row].isinf()), row
+        assert torch.equal(got[row].sign(), ref[row].sign()), row
+    finite = [0, 2, 5, 7, 8]
+    assert got[finite].isfinite().all()
+    torch.testing.assert_close(got[finite], vnni.linear(x[finite], w8))
+    q, d = vnni.quantize_activations(x)
+    assert d[1, 0].isnan() and d[3, 1].isinf() and q[3, 40] == 127 and q[4, 100] == -127
+    assert d[5, 2] == 0 and q[5, 64:96].eq(0).all()
