@@ -5,9 +5,9 @@ The model: output position p of a request is token `script[(offset + p) % len(sc
 where `script` is SCRIPT_TEXT tokenized by the real tokenizer followed by EOS; offset is 0
 when greedy, derived from the seed when seeded, and from the request id otherwise. It honours
 max_tokens (counting the prefill's first token), EOS (unless ignore_eos), stop_token_ids and
-min_tokens, returns deterministic logprobs that differ per position, records every call,
-Abort and cancelled stream, and can be told to fail with a gRPC status (at once, or a decode
-stream after some tokens: `Recorder.break_after`).
+min_tokens by the engine's rules (shared/stop_rules.py), returns deterministic logprobs that
+differ per position, records every call, Abort and cancelled stream, and can be told to fail
+with a gRPC status (at once, or a decode stream after some tokens: `Recorder.break_after`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shared.proto import engine_pb2, engine_pb2_grpc
+from shared.stop_rules import at_length_limit, check_stop_token
 
 SCRIPT_TEXT = ("Hello there! Counting: 1 2 3 4 5 6 7 8 9 10. Café 🙂 and 你好世界, "
                "UNO DUE TRE. The end.")
@@ -50,12 +51,9 @@ class FakeModel:
 
     def finish(self, params: engine_pb2.SamplingParams, num_prompt: int, token: int,
                count: int) -> int:
-        stop = token in params.stop_token_ids or (
-            token == self.eos_token_id and not params.ignore_eos)
-        if stop and count >= params.min_tokens:
+        if check_stop_token(params, token, count, self.eos_token_id)[0]:
             return engine_pb2.FINISH_REASON_STOP
-        limit = params.max_tokens or self.max_model_len - num_prompt
-        if count >= limit or num_prompt + count >= self.max_model_len:
+        if at_length_limit(params, self.max_model_len, num_prompt, count):
             return engine_pb2.FINISH_REASON_LENGTH
         return engine_pb2.FINISH_REASON_UNSPECIFIED
 
