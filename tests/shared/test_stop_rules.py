@@ -9,7 +9,7 @@ import pytest
 from shared.proto import engine_pb2
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
-from shared.stop_rules import at_length_limit, check_stop, check_stop_token
+from shared.stop_rules import at_length_limit, check_stop, check_stop_token, num_tokens_left
 
 EOS, STOP_ID, OTHER = 2, 7, 9
 STOPPED, CAPPED = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED
@@ -72,3 +72,12 @@ def test_gateway_proto_params_and_unknown_eos():
     assert check_stop_token(params, STOP_ID, 1, None) == (False, None)  # min_tokens
     assert check_stop_token(params, EOS, 2, None) == (False, None)  # EOS unknown
     assert check_stop_token(params, EOS, 2, EOS) == (True, None)
+
+
+@pytest.mark.parametrize("max_tokens, num_output, expected", [
+    (None, 0, 7), (None, 6, 1), (None, 7, 0), (4, 1, 3), (4, 4, 0), (9, 5, 2)])
+def test_num_tokens_left(max_tokens, num_output, expected):
+    # 3 prompt tokens, max_model_len 10: the nearer cap counts.
+    assert num_tokens_left(SamplingParams(max_tokens=max_tokens), 10, 3, num_output) == expected
+    assert at_length_limit(SamplingParams(max_tokens=max_tokens), 10, 3, num_output) == \
+        (expected <= 0)

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from shared.request import Request
+from shared.stop_rules import num_tokens_left
 
 
 def num_accepted_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> int:
@@ -49,11 +50,8 @@ def max_num_drafts(request: Request, max_model_len: int) -> int:
     """Drafts that may follow `request`'s tokens: its accepted drafts plus the bonus token
     stay within max_tokens and max_model_len (so the scheduler's admission bound on KV
     slots, `max_num_tokens - 1`, still holds)."""
-    left = max_model_len - request.num_tokens
-    max_tokens = request.sampling_params.max_tokens
-    if max_tokens is not None:
-        left = min(left, max_tokens - request.num_output_tokens)
-    return max(0, left - 1)
+    return max(0, num_tokens_left(request.sampling_params, max_model_len,
+                                  request.num_prompt_tokens, request.num_output_tokens) - 1)
 
 
 class DraftRows(NamedTuple):
