@@ -78,6 +78,9 @@ class Int8Weight(NamedTuple):
     w8a8: bool = False
     """Quantize the activations too (`cpu_int8_vnni`, AVX-512 VNNI CPUs): set per layer by
     `quantize_linear(..., w8a8=True)`; False keeps fp32 activations (weight-only)."""
+    a16: bool = False
+    """(Not w8a8) 16-bit activations per block (`cpu_int8_vnni`, two int8 halves): about
+    weight-only int8's accuracy at integer speed; set by `quantize_linear(..., a16=True)`."""
 
     def panels(self) -> torch.Tensor:
         """[ceil(N / 32), K, 32] int8: `qpacked` in the weight-only layout (a view, or a copy
@@ -110,10 +113,11 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    w8a8: bool = False) -> Int8Weight:
+                    w8a8: bool = False, a16: bool = False) -> Int8Weight:
     """A linear layer's fp32 weight [N, K] (and bias [N]) -> Int8Weight; `w8a8`: run it with
     int8 activations where the CPU has VNNI (`cpu_int8_vnni`; the weights are then stored in
-    its layout when K is a multiple of its block, else the layer stays weight-only).
+    its layout when K is a multiple of its block, else the layer stays weight-only); `a16`
+    (without w8a8): with 16-bit activations there, the same way.
 
     Raises:
         ValueError: not a 2-D CPU weight.
@@ -132,9 +136,10 @@ def quantize_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     bias_pad = torch.zeros(n_pad)
     if bias is not None:
         bias_pad[:n] = bias.detach().float()
-    if w8a8 and k % cpu_int8_vnni.BLOCK == 0 and cpu_int8_vnni.load_kernel() is not None:
+    a16 = a16 and not w8a8
+    if (w8a8 or a16) and k % cpu_int8_vnni.BLOCK == 0 and cpu_int8_vnni.load_kernel():
         qpacked = cpu_int8_vnni.pack_weight(qpacked)
-    return Int8Weight(qpacked, scale_pad, bias_pad, n, w8a8)
+    return Int8Weight(qpacked, scale_pad, bias_pad, n, w8a8, a16)
 
 
 @functools.cache
@@ -157,11 +162,16 @@ def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """x [M, K] float32 CPU -> x @ (scale * q).T + bias, [M, N] float32.
 
     A `w.w8a8` layer packed for the VNNI kernel quantizes the activations too, int8 per row
-    and block of 32 k (`cpu_int8_vnni.linear`), at every batch size; otherwise weight-only."""
+    and block of 32 k (`cpu_int8_vnni.linear`), at every batch size (`w.a16`: to 16 bits);
+    otherwise weight-only."""
     num_rows, k = x.shape
     n = w.out_features
     if w.qpacked.dim() == 4:  # VNNI layout: no weight-only kernel reads it
-        out = cpu_int8_vnni.linear(x, w) if w.w8a8 else None
+        out = None
+        if w.w8a8:
+            out = cpu_int8_vnni.linear(x, w)
+        elif w.a16:
+            out = cpu_int8_vnni.linear(x, w, act_bits=16)
         if out is not None:
             return out
         return F.linear(x.float(), w.dequantize(), w.bias[:n])

@@ -39,6 +39,10 @@ BLOCK = 32
 """Activation quantization block along K (Q8_0's 32); K must be a multiple of it."""
 PANEL = 32
 """Output channels per packed panel (`cpu_int8.PANEL`)."""
+A16_MAX = 32639
+"""16-bit activations: v = round(x / d) in [-A16_MAX, A16_MAX], d = max|x| / A16_MAX per block,
+run as two int8 halves (v = 256 * high + low, 127 * 257 the largest such v)."""
+
 
 
 @functools.cache
@@ -51,7 +55,8 @@ def load_kernel():
         return None
     fn = lib.int8_vnni_linear_f32
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int,
+                   ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
 
@@ -73,8 +78,10 @@ def unpack_weight(wv: torch.Tensor) -> torch.Tensor:
     return q.permute(0, 1, 3, 2).reshape(p, k4 * 4, c)
 
 
-def linear(x: torch.Tensor, w: Int8Weight, block: int = BLOCK) -> torch.Tensor | None:
-    """x [M, K] float32 CPU -> [M, N] float32, the W8A8 product with `block`-wise activations;
+def linear(x: torch.Tensor, w: Int8Weight, block: int = BLOCK, act_bits: int = 8
+           ) -> torch.Tensor | None:
+    """x [M, K] float32 CPU -> [M, N] float32, the product with activations quantized per
+    row and `block` of k to `act_bits` (8: W8A8; 16: two int8 halves, two vpdpbusd each);
     None when this path does not apply (no VNNI kernel, weights not packed by `pack_weight`,
     x not fp32, K % block != 0, or block not a multiple of 16): the caller then runs the
     weight-only path."""
@@ -89,30 +96,33 @@ def linear(x: torch.Tensor, w: Int8Weight, block: int = BLOCK) -> torch.Tensor |
         return out
     rc = kernel(x.data_ptr(), x.stride(0), w.qpacked.data_ptr(), w.scale.data_ptr(),
                 w.bias.data_ptr(), out.data_ptr(), num_rows, w.out_features, k, block,
-                torch.get_num_threads())
+                act_bits, torch.get_num_threads())
     return out if rc == 0 else None
 
 
-def quantize_activations(x: torch.Tensor, block: int = BLOCK
+def quantize_activations(x: torch.Tensor, block: int = BLOCK, act_bits: int = 8
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization in torch: x [M, K] float32 (K % block == 0) ->
-    (q [M, K] int8 in [-127, 127], d [M, K / block] float32), x ~= q * d per block.
+    (q [M, K] in [-qmax, qmax], d [M, K / block] float32), x ~= q * d per block; qmax = 127
+    (int8) for 8 bits, A16_MAX (int16) for 16.
 
-    d = max|x| / 127 over the block; q = round_half_even(x * (1 / d)); d = 0 and q = 0 where
+    d = max|x| / qmax over the block; q = round_half_even(x * (1 / d)); d = 0 and q = 0 where
     max|x| < FLT_MIN. A block holding NaN: d = NaN, q = 0; holding +-inf (no NaN): d = +inf,
-    q = +-127 at the infinities and 0 elsewhere.
+    q = +-127 (times 256 for 16 bits) at the infinities and 0 elsewhere.
     """
+    qmax, inf_q = (127, 127) if act_bits == 8 else (A16_MAX, 127 * 256)
     m, k = x.shape
     xb = x.float().reshape(m, k // block, block)
     amax = xb.abs().amax(dim=2)
     has_nan = xb.isnan().any(dim=2)
     special = has_nan | amax.isinf()
     tiny = amax < torch.finfo(torch.float32).tiny
-    d = torch.where(tiny, torch.zeros_like(amax), amax / 127.0)
+    d = torch.where(tiny, torch.zeros_like(amax), amax / float(qmax))
     d = torch.where(has_nan, torch.full_like(d, float("nan")), d)
     safe = torch.where(tiny | special, torch.ones_like(d), d)
     inv = torch.where(tiny | special, torch.zeros_like(d), 1.0 / safe)
-    q = torch.round(torch.nan_to_num(xb * inv[:, :, None], nan=0.0)).clamp_(-127, 127)
-    inf_q = torch.where(xb.isinf(), xb.sign() * 127, torch.zeros_like(xb))
-    q = torch.where(special[:, :, None], inf_q, q).to(torch.int8)
+    q = torch.round(torch.nan_to_num(xb * inv[:, :, None], nan=0.0)).clamp_(-qmax, qmax)
+    at_inf = torch.where(xb.isinf(), xb.sign() * inf_q, torch.zeros_like(xb))
+    q = torch.where(special[:, :, None], at_inf, q)
+    q = q.to(torch.int8 if act_bits == 8 else torch.int16)
     return q.reshape(m, k), d

@@ -1,8 +1,8 @@
 """kernels/cpu_int8_vnni: the W8A8 kernel (activations int8 per row and block of k, vpdpbusd)
 against the same block quantization done in torch (float64 sums), tile tails and row blocks,
-odd shapes, rows independent of the batch, NaN / inf propagated, the packed layout, and
-`cpu_int8.linear`'s dispatch (w8a8 layers only; K not a multiple of the block or no VNNI:
-weight-only)."""
+odd shapes, rows independent of the batch, NaN / inf propagated, the packed layout, 16-bit
+activations (`a16`), and `cpu_int8.linear`'s dispatch (w8a8 / a16 layers only; K not a
+multiple of the block or no VNNI: weight-only)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ HAS_VNNI = CPUINFO.exists() and "avx512_vnni" in CPUINFO.read_text()
 needs_kernel = pytest.mark.skipif(vnni.load_kernel() is None, reason="no AVX-512 VNNI kernel")
 
 
-def reference(x: torch.Tensor, w8: cpu_int8.Int8Weight, block: int) -> torch.Tensor:
+def reference(x: torch.Tensor, w8: cpu_int8.Int8Weight, block: int, act_bits: int = 8
+              ) -> torch.Tensor:
     """The kernel's arithmetic in torch: block int dots (exact in float64), scaled."""
-    q, d = vnni.quantize_activations(x, block)
+    q, d = vnni.quantize_activations(x, block, act_bits)
     n, (m, k) = w8.out_features, x.shape
     qw = w8.int_weight().double()
     dots = torch.einsum("mbk,nbk->mnb", q.double().view(m, k // block, block),
@@ -155,3 +156,28 @@ def test_nan_and_inf_come_out_non_finite():
     q, d = vnni.quantize_activations(x)
     assert d[1, 0].isnan() and d[3, 1].isinf() and q[3, 40] == 127 and q[4, 100] == -127
     assert d[5, 2] == 0 and q[5, 64:96].eq(0).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, bias", [
+    (1, 40, 64, True), (7, 70, 576, False),  # tiles of 4 + 3
+    (101, 33, 1536, True)])                  # two row blocks, a tail of 1
+def test_16_bit_activations_match_their_reference(m, n, k, bias):
+    w8, g = _layer(n, k, bias, m + n + k, w8a8=False)
+    w16 = cpu_int8.quantize_linear(w8.dequantize(), w8.bias[:n] if bias else None, a16=True)
+    assert w16.a16 and not w16.w8a8 and w16.qpacked.dim() == 4
+    assert torch.equal(w16.int_weight(), w8.int_weight())
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, :5] *= 1000  # an outlier block
+    got = cpu_int8.linear(x, w16)
+    ref = reference(x, w16, 32, act_bits=16)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max())
+    # 16 bits: within 1e-4 of the weight-only (fp32 activations) product
+    weight_only = cpu_int8.linear(x, w8)
+    assert (got - weight_only).abs().max() < 1e-4 * weight_only.abs().max()
+    for rows in ([0], list(range(1, m)), [m - 1, 0]):
+        assert torch.equal(cpu_int8.linear(x[rows], w16), got[rows]), rows
+    x[-1, 3] = float("nan")
+    x[0, 9] = float("-inf")
+    got = cpu_int8.linear(x, w16)
+    assert got[-1].isnan().all() and not got[0].isfinite().any()
