@@ -18,6 +18,8 @@ from services.gateway.errors import GatewayError
 from services.gateway.prefill_decode import EngineOutput
 from services.gateway.stop_checker import StopChecker, StopTable
 from shared.proto import engine_pb2
+from shared.sampling_params import SamplingParams
+from shared.stop_rules import check_stop_token
 
 _FINISH_REASONS = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -52,22 +54,20 @@ class ChoiceDelta:
 
 
 class ChoiceProcessor:
-    def __init__(self, index: int, decoder: Decoder, prompt_token_ids: Sequence[int], *,
-                 stop: StopTable | Sequence[str] = (), include_stop_str_in_output: bool = False,
-                 stop_token_ids: Sequence[int] = (), min_tokens: int = 0,
-                 logprobs: bool = False, skip_special_tokens: bool = True) -> None:
+    def __init__(self, index: int, decoder: Decoder, prompt_token_ids: Sequence[int],
+                 params: SamplingParams, *, stop: StopTable | Sequence[str] = (),
+                 include_stop_str_in_output: bool = False, logprobs: bool = False) -> None:
         """`stop`: the request's StopTable, built once and shared by all its choices (or
         the stop strings, compiled for this choice alone)."""
         self.index = index
+        self._params = params
         self._detokenizer = IncrementalDetokenizer(decoder, prompt_token_ids,
-                                                   skip_special_tokens)
+                                                   params.skip_special_tokens)
         if isinstance(stop, StopTable) and \
                 stop.include_stop_str_in_output != include_stop_str_in_output:
             raise ValueError("include_stop_str_in_output differs from the stop table's")
         self._stop_checker = StopChecker(stop, include_stop_str_in_output)
         self._include_stop = include_stop_str_in_output
-        self._stop_token_ids = frozenset(stop_token_ids)
-        self._min_tokens = min_tokens
         self._logprobs = logprobs
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_output_tokens = 0
@@ -99,7 +99,7 @@ class ChoiceProcessor:
                 break  # the EOS / stop token: counted, never detokenized
             piece = self._detokenizer.step(token_id)
             if piece:
-                can_stop = self.num_output_tokens >= self._min_tokens
+                can_stop = self.num_output_tokens >= self._params.min_tokens
                 pieces.append(self._stop_checker.feed(piece, can_stop))
                 if self._stop_checker.is_stopped:
                     delta.finish_reason, delta.stop_reason = "stop", self._stop_checker.stop_str
@@ -111,9 +111,9 @@ class ChoiceProcessor:
             else:
                 pieces.append(self._stop_checker.flush())
                 delta.finish_reason = engine_finish
-                if engine_finish == "stop" and out.token_ids and \
-                        out.token_ids[-1] in self._stop_token_ids:
-                    delta.stop_reason = out.token_ids[-1]
+                if engine_finish == "stop" and out.token_ids:  # the engine's EOS is unknown
+                    _, delta.stop_reason = check_stop_token(
+                        self._params, out.token_ids[-1], self.num_output_tokens, None)
         delta.text = "".join(pieces)
         self.finish_reason = delta.finish_reason
         return delta

@@ -218,10 +218,8 @@ class OpenAIServing:
             for i in range(sp.n):
                 index = p * sp.n + i
                 proc = ChoiceProcessor(
-                    index, self.tokenizer, prompt.token_ids, stop=stop_table,
-                    include_stop_str_in_output=include_stop_str_in_output,
-                    stop_token_ids=sp.stop_token_ids, min_tokens=sp.min_tokens,
-                    logprobs=logprobs, skip_special_tokens=sp.skip_special_tokens)
+                    index, self.tokenizer, prompt.token_ids, sp, stop=stop_table,
+                    include_stop_str_in_output=include_stop_str_in_output, logprobs=logprobs)
                 processors.append(proc)
                 streams.append(_run_choice(grant, index, proc, self.engine.generate(
                     f"{engine_prefix}-{index}", prompt.token_ids, to_engine_params(sp, i),
