@@ -31,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import prepare_torch_metadata, reference, torch_paged  # noqa: E402
+from shared.engine.attn_metadata import AttentionMetadata  # noqa: E402
 
 NUM_LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -56,12 +57,9 @@ def make_step(seq_lens: list[int], query_lens: list[int], num_layers: int, seed:
     shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     kv_shape = (num_tokens, NUM_KV_HEADS, HEAD_DIM)
     return {
-        "block_table": block_table,
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
-        "query_start_loc": query_start_loc,
-        "slot_mapping": torch.cat(slots),
-        "max_query_len": max(query_lens),
-        "max_seq_len": max(seq_lens),
+        "attn_metadata": AttentionMetadata(
+            torch.cat(slots), block_table, torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc, max(query_lens), max(seq_lens)),
         "layers": [
             {"k_cache": torch.randn(shape, generator=gen),
              "v_cache": torch.randn(shape, generator=gen),
@@ -75,21 +73,18 @@ def make_step(seq_lens: list[int], query_lens: list[int], num_layers: int, seed:
 
 def run_attention(step: dict, backend: str) -> None:
     """store + attention for every layer of the step, as the model runs them."""
-    metadata = None
+    attn_metadata, metadata = step["attn_metadata"], None
     if backend != "reference":
-        metadata = prepare_torch_metadata(step["block_table"], step["seq_lens"],
-                                          step["query_start_loc"], BLOCK_SIZE, NUM_KV_HEADS)
+        metadata = prepare_torch_metadata(attn_metadata, BLOCK_SIZE, NUM_KV_HEADS)
     module = reference if backend == "reference" else torch_paged
     for layer in step["layers"]:
         module.store_kv_cache(layer["key"], layer["value"], layer["k_cache"], layer["v_cache"],
-                              step["slot_mapping"])
-        args = (layer["query"], layer["k_cache"], layer["v_cache"], step["block_table"],
-                step["seq_lens"], step["query_start_loc"], SCALE, step["max_query_len"],
-                step["max_seq_len"])
+                              attn_metadata.slot_mapping)
+        args = (layer["query"], layer["k_cache"], layer["v_cache"], attn_metadata, SCALE)
         if backend == "reference":
             reference.paged_attention(*args)
         else:
-            torch_paged.paged_attention(*args, metadata=metadata,
+            torch_paged.paged_attention(*args, torch_metadata=metadata,
                                         use_native=backend == "torch_native")
 
 
@@ -144,8 +139,7 @@ def main() -> None:
             "torch_ops": lambda: run_attention(decode, "torch_ops"),
             "reference": lambda: run_attention(decode, "reference"),
             "prepare_metadata": lambda: prepare_torch_metadata(
-                decode["block_table"], decode["seq_lens"], decode["query_start_loc"],
-                BLOCK_SIZE, NUM_KV_HEADS),
+                decode["attn_metadata"], BLOCK_SIZE, NUM_KV_HEADS),
         }
         repeats = {name: args.repeats for name in decode_cases}
         repeats["reference"] = args.reference_repeats
