@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 import pytest
 
@@ -115,3 +116,27 @@ def draft_model_path(model_path, tmp_path_factory) -> str:
     from tests.draft_model import write_truncated_model
 
     return write_truncated_model(model_path, tmp_path_factory.mktemp("draft_model"), 2)
+
+
+# A real redis-server on a free port (the prefix index's tests under tests/shared and the
+# service tests under tests/services; tests/e2e has its own).
+@pytest.fixture(scope="session")
+def redis_server():
+    """None without the `redis-server` binary: the cluster then runs without the index
+    (as the services do when Redis is unreachable) and the index checks skip."""
+    if shutil.which("redis-server") is None:
+        yield None
+        return
+    from tests.services.helpers import RedisServer
+
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis(redis_server):
+    if redis_server is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    return redis_server

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.launcher.test_up import _free_port, _health_ok
+from tests.services.launcher.test_up import _free_port, _health_ok
 
 STARTUP_TIMEOUT = 400.0
 API_KEY = "sk-compat-test"

@@ -234,7 +234,7 @@ def test_prometheus_scrapes_every_engine_and_the_gateway():
 
 
 def test_the_monitoring_compose_file_adds_prometheus_and_grafana():
-    from tests.launcher.test_compose import TOKEN, _compose_binary
+    from tests.services.launcher.test_compose import TOKEN, _compose_binary
 
     binary = _compose_binary()
     done = subprocess.run(

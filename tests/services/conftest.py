@@ -1,5 +1,5 @@
-"""Fixtures of the prefill / decode service tests: a real redis-server on a free port and one
-prefill + one decode instance (real engines, grpc.aio on port 0) shared by the session.
+"""Fixtures of the prefill / decode service tests: one prefill + one decode instance (real
+engines, grpc.aio on port 0) shared by the session, on the root conftest's redis-server.
 
 Tests that use `cluster` run on the session event loop:
 `pytestmark = pytest.mark.asyncio(loop_scope="session")`.
@@ -7,33 +7,12 @@ Tests that use `cluster` run on the session event loop:
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 
-from tests.services.helpers import Cluster, RedisServer, start_cluster
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer | None]:
-    """None without the `redis-server` binary: the cluster then runs without the index
-    (as the services do when Redis is unreachable) and the index checks skip."""
-    if shutil.which("redis-server") is None:
-        yield None
-        return
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def redis(redis_server) -> RedisServer:
-    if redis_server is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    return redis_server
+from tests.services.helpers import Cluster, start_cluster
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

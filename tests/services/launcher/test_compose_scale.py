@@ -5,7 +5,7 @@ address) and the gateway finds the replicas through Redis, not by service name.
 
 from __future__ import annotations
 
-from tests.launcher.test_compose import ENGINES, _config
+from tests.services.launcher.test_compose import ENGINES, _config
 
 
 def test_engine_services_can_have_replicas():

@@ -63,7 +63,7 @@ def test_bad_combinations_raise_naming_the_flag(model_path, changes):
 
 
 def test_compose_passes_pdserve_quantization_to_both_engines():
-    from tests.launcher.test_compose import ENGINES, _config
+    from tests.services.launcher.test_compose import ENGINES, _config
 
     for env, expected in (({}, "none"), ({"PDSERVE_QUANTIZATION": "int8"}, "int8")):
         services = _config(env=env)["services"]
