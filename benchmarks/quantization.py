@@ -106,7 +106,9 @@ def quality(llms: dict[str, LLM]) -> dict:
 
 def kernels(threads: int) -> dict:
     """The 30 layers' four matmuls (distinct weights, as a step reads them) at several batch
-    sizes: fp32 oneDNN-prepacked, the int8 C kernel, fbgemm dynamic int8, int8pack_mm bf16."""
+    sizes: fp32 oneDNN-prepacked, the weight-only int8 C kernel, the VNNI kernel with int8
+    (W8A8) and 16-bit (W8A16) activations where it builds, fbgemm dynamic int8, int8pack_mm
+    bf16."""
     from kernels import cpu_int8, cpu_linear
 
     torch.set_num_threads(threads)
@@ -114,6 +116,8 @@ def kernels(threads: int) -> dict:
     weights = [torch.randn(n, k, generator=g) * 0.05 for _ in range(30) for n, k in LAYER_SHAPES]
     packed = [cpu_linear.pack_weight(w) for w in weights]
     w8 = [cpu_int8.quantize_linear(w) for w in weights]
+    w8a8 = [cpu_int8.quantize_linear(w, w8a8=True) for w in weights]
+    w8a16 = [cpu_int8.quantize_linear(w, a16=True) for w in weights]
     rows = [cpu_int8.quantize_weight(w) for w in weights]  # [N, K] int8, scale [N]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -133,12 +137,16 @@ def kernels(threads: int) -> dict:
         return round(statistics.median(ts) * 1e3, 2)
 
     out = {}
-    for m in (1, 4, 16, 64, 256):
+    for m in (1, 4, 16, 64, 256, 2048):
         xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
         x = [xs[k] for _ in range(30) for _, k in LAYER_SHAPES]
         row = {"fp32_onednn_ms": timed(lambda x=x: [cpu_linear.linear(a, p)
                                                 for a, p in zip(x, packed)]),
                "int8_c_ms": timed(lambda x=x: [cpu_int8.linear(a, q) for a, q in zip(x, w8)]),
+               "int8_w8a8_ms": timed(lambda x=x: [cpu_int8.linear(a, q)
+                                                  for a, q in zip(x, w8a8)]),
+               "int8_w8a16_ms": timed(lambda x=x: [cpu_int8.linear(a, q)
+                                                   for a, q in zip(x, w8a16)]),
                "fbgemm_dynamic_ms": timed(lambda x=x: [torch.ops.quantized.linear_dynamic(a, p)
                                                    for a, p in zip(x, fbgemm)])}
         if m <= 16:
