@@ -155,6 +155,9 @@ def feed_op(engine, full: bool, stats_op: Callable) -> FeedSample:
                       "running" if r.status == RequestStatus.RUNNING else
                       "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
             requests.append(_view(kv, r, status))
+    for r in scheduler.waiting_for_remote_kvs.values():  # blocks a receive is filling
+        seen.add(r.request_id)
+        requests.append(_view(kv, r, "transfer"))
     holders = kv.req_to_blocks
     for request_id in sorted(holders.keys() - seen):
         ids = kv.get_block_ids(request_id)

@@ -76,11 +76,10 @@ def stats_op(engine: EngineCore) -> EngineStats:
         num_used_blocks=pool.num_gpu_blocks - 1 - num_free, num_paused=s.num_paused)
 
 
-def check_invariants_op(engine: EngineCore, owned: set[str]) -> tuple[str, list[str]]:
+def check_invariants_op(engine: EngineCore) -> tuple[str, list[str]]:
     """("", []) when the KV cache manager's invariants hold and every request holding blocks
-    is the scheduler's (unfinished, or finished and held for a KV transfer) or in `owned`
-    (the worker's); else the broken invariant, or "" and the ids of the requests holding
-    blocks that nothing owns."""
+    is the scheduler's (unfinished, or finished and held for a KV transfer); else the broken
+    invariant, or "" and the ids of the requests holding blocks that nothing owns."""
     kv = engine.kv_cache_manager
     try:
         kv.check_invariants()
@@ -88,20 +87,7 @@ def check_invariants_op(engine: EngineCore, owned: set[str]) -> tuple[str, list[
         return str(e) or "AssertionError", []
     scheduler = engine.scheduler
     return "", sorted(set(kv.req_to_blocks) - set(scheduler.requests)
-                      - set(scheduler.finished_sending) - owned)
-
-
-def free_unscheduled_op(engine: EngineCore, request: Request) -> None:
-    """Give back whatever `request` holds outside the scheduler's care.
-
-    A request the scheduler still tracks is aborted (it frees the blocks); otherwise the
-    blocks it holds (finished with hold_finished_blocks, or allocated for a KV transfer and
-    never added) are freed. Idempotent: a request holding nothing is a no-op.
-    """
-    if request.request_id in engine.scheduler.requests:
-        engine.abort_requests([request.request_id])
-    else:
-        engine.kv_cache_manager.free(request)
+                      - set(scheduler.finished_sending) - set(scheduler.aborted_recving))
 
 
 class EngineWorker:
@@ -150,16 +136,13 @@ class EngineWorker:
         return 0
 
     def num_pending(self) -> int:
-        """Requests this worker holds outside the engine's queues (decode admissions)."""
+        """Requests waiting outside the engine's queues (none since the scheduler admits
+        decode transfers; kept for the load views' arithmetic)."""
         return 0
 
     def num_in_flight(self) -> int:
         """Requests a drain waits for."""
         return len(self._active)
-
-    def owned_request_ids(self) -> set[str]:
-        """Requests whose blocks this worker (not the scheduler) is responsible for."""
-        return set()
 
     def pinned_block_ids(self) -> frozenset[int]:
         """The blocks of num_pinned_blocks() (prefill)."""
@@ -196,20 +179,15 @@ class EngineWorker:
         """The state, from the engine thread between steps; while a step runs longer than
         STATE_WAIT_S (or the thread is stuck), from its O(1) counters read here instead,
         with the invariants reported as not checked (GetState must answer however busy)."""
-        # NOTE: ownership moves between the engine thread and this loop (a request finishes
-        # there, its pin is recorded here), so a request counts as owned if the worker
-        # owned it just before or just after the check ran.
-        owned = self.owned_request_ids()
         try:
             stats, (error, orphans) = await asyncio.wait_for(self.engine.call(
                 lambda e: (stats_op(e),
-                           check_invariants_op(e, owned) if check_invariants else ("", []))),
+                           check_invariants_op(e) if check_invariants else ("", []))),
                 STATE_WAIT_S[check_invariants])
         except TimeoutError:
             stats, orphans = stats_op(self.engine_core), []
             error = (f"not checked: the engine has been in a step for "
                      f"{self.engine.seconds_in_step():.1f} s") if check_invariants else ""
-        orphans = [r for r in orphans if r not in self.owned_request_ids()]
         if orphans and not error:
             error = f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
         return self.make_state(stats, self.num_pinned_blocks(), self.num_pending(), error)

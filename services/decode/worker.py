@@ -1,26 +1,26 @@
-"""DecodeWorker: admit a prefilled request, pull the KV it lacks, decode it in the batch.
+"""DecodeWorker: decode a prefilled request in the batch, pulling the KV it lacks first.
 
     Generate(request, handle)
-      │ admission queue (FIFO, bounded): wait until the pool can hold the prompt's blocks
+      │ make_request: EngineCore.validate_request; check_handle (hashes verified, reused)
       ▼
-    reserve_op (engine thread): prefix-cache hits for the same hashes + fresh blocks,
-      │                         allocate_slots(..., delay_cache_blocks=True)
+    engine request, kv_transfer_params={"do_remote_prefill": True, "num_tokens": N}:
+      │ WAITING_FOR_REMOTE_KVS in the scheduler, which allocates its blocks in its own
+      │ admission order (prefix-cache hits + fresh blocks, not cached yet)
       ▼
-    KVFetcher.fetch: only the missing block indices, written into our fresh blocks
-      │ ReleaseKV to the prefill instance as soon as the transfer ends, success or not
-      │   (a background task, once per handle; the prefill's blocks go back to its cache)
+    KVFetcher.fetch (this loop, told the block ids by the connector): only the missing
+      │ blocks; ReleaseKV to the prefill as soon as the transfer ends, success or not
       ▼
-    commit_op (engine thread): num_computed_tokens = num_tokens of the handle, cache_blocks
+    connector.recv_finished ──▶ Scheduler.update_from_kv_xfer_finished (engine op):
+      │ num_computed_tokens = N, blocks cached, WAITING
       ▼
-    AsyncEngine.generate: the scheduler takes it like any running request (continuous batch)
+    scheduled like any request (continuous batch)
 
 Without a handle the request goes straight to the engine, which prefills it here
 (conditional disaggregation; also failover: prompt + tokens generated so far recomputed).
-Whatever happens, the request's blocks end up freed: by the scheduler when it finishes or
-is aborted, by `free_unscheduled_op` (shielded) on every other way out. A request that never
-reaches the transfer (aborted or failing while queued for blocks) sends its ReleaseKV on the
-way out; the prefill's TTL unpins what a dead decode instance never released. States and
-block owners: docs/lifecycle.md.
+The scheduler owns the request's blocks from the moment it is added: it frees them when the
+request finishes or is aborted (after the receive writing them ends). A failed transfer
+aborts the engine request; Generate raises the transfer's status. States and block owners:
+docs/lifecycle.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -38,16 +37,14 @@ import grpc
 
 from services.common.errors import ServiceError
 from services.common.state_feed import TransferView
-from services.common.worker import EngineWorker, free_unscheduled_op
+from services.common.worker import EngineWorker
 from services.decode.kv_fetcher import KVFetcher
-from shared.engine.engine_core import EngineCore
 from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from shared.kv_transfer.handle import KVHandle
 from shared.request import FinishReason, Request, TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-_ADMISSION_POLL_S = 0.05
 
 
 class GenerateOutput(NamedTuple):
@@ -61,47 +58,23 @@ class GenerateOutput(NamedTuple):
 
 
 @dataclass(slots=True)
-class _Ticket:
+class _Stream:
+    """A Generate call's service state (the request and its blocks are the scheduler's)."""
+
     request: Request
     handle: KVHandle | None = None
     aborted: bool = False
+    transfer: asyncio.Task | None = None
+    """Receive of the handle's KV, cancelled by Abort."""
+    num_hit_tokens: int | None = None
+    """Prefix-cache hit on this instance (set once the scheduler allocated its blocks)."""
     released: bool = False
     """ReleaseKV for `handle` was sent (or is being sent): never send it twice."""
-    task: asyncio.Task | None = None
-    """Admission + KV transfer, cancelled by Abort."""
     paused: bool = False
     """Paused by SetPaused (its client reads too slowly)."""
     paused_since_token: bool = False
     """Paused since its last token: the next gap is the client's, not an inter-token
     latency (not observed)."""
-
-
-def reserve_op(engine: EngineCore, request: Request, num_tokens: int,
-               watermark: int) -> tuple[int, list[int]] | None:
-    """Hold blocks for the first `num_tokens` tokens: cached hits first, fresh blocks after.
-
-    Returns (prefix-hit tokens, the request's block ids), or None when the pool cannot
-    hold them now (with `watermark` blocks to spare while other requests run), even after
-    freeing the blocks of paused requests (`Scheduler.preempt_paused`: recomputed on resume).
-    """
-    kv = engine.kv_cache_manager
-    hits, num_hit_tokens = kv.get_computed_blocks(request)
-    num_computed = max(num_tokens, num_hit_tokens)
-    num_new_blocks = -(-num_computed // kv.block_size) - len(hits)
-    spare = watermark if engine.scheduler.has_unfinished_requests() else 0
-    while kv.num_free_blocks - num_new_blocks - sum(1 for b in hits if b.ref_cnt == 0) < spare:
-        if not engine.scheduler.preempt_paused():
-            return None
-    if kv.allocate_slots(request, num_computed - num_hit_tokens, hits, num_hit_tokens,
-                         delay_cache_blocks=True) is None:
-        return None
-    return num_hit_tokens, kv.get_block_ids(request.request_id)
-
-
-def commit_op(engine: EngineCore, request: Request, num_computed_tokens: int) -> None:
-    """The transferred KV is in place: mark it computed and make its full blocks cached."""
-    request.num_computed_tokens = num_computed_tokens
-    engine.kv_cache_manager.cache_blocks(request, num_computed_tokens)
 
 
 class DecodeWorker(EngineWorker):
@@ -111,10 +84,10 @@ class DecodeWorker(EngineWorker):
         super().__init__(*args, **kwargs)
         self.fetcher = KVFetcher(self.engine_core.model_runner.kv_caches, self.config,
                                  self.metrics)
-        self.watermark_blocks = max(1, self.num_gpu_blocks // 100)
-        self._tickets: dict[str, _Ticket] = {}
-        self._admission: deque[_Ticket] = deque()
-        self._admission_event = asyncio.Event()
+        self.kv_connector = self.engine_core.kv_connector
+        self._streams: dict[str, _Stream] = {}
+        self._num_waiting = 0
+        """Generate calls with no output yet (bounded by max_waiting_requests)."""
         self._blocks_in_flight: dict[bytes, asyncio.Future] = {}
         """block_hash -> done when the transfer that fetches that block here has committed
         (or failed): a request with the same prefix waits for it and reuses the blocks."""
@@ -177,106 +150,130 @@ class DecodeWorker(EngineWorker):
             waiting queue is full), or the transfer's status (NOT_FOUND, DATA_LOSS, ...).
         """
         request_id = request.request_id
-        if request_id in self._tickets:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
-                               f"request {request_id!r} is already being decoded")
-        if handle is not None:
-            self.check_handle(request, handle)
-        if self.num_pending() + self.engine_core.scheduler.num_waiting \
-                >= self.config.max_waiting_requests:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"decode waiting queue is full ({self.config.max_waiting_requests}"
-                               " requests); retry later or elsewhere")
-        ticket = self._tickets[request_id] = _Ticket(request, handle)
-        try:
-            num_cached = None
+        with self.active(request_id, "is already being decoded"):
             if handle is not None:
-                ticket.task = asyncio.get_running_loop().create_task(
-                    self._admit_transferred(ticket, handle))
-                try:
-                    num_cached = await ticket.task
-                except asyncio.CancelledError:
-                    if (task := asyncio.current_task()) is not None and task.cancelling():
-                        raise  # our caller is cancelled, not just the transfer
-                    if not ticket.aborted:
-                        raise ServiceError(grpc.StatusCode.ABORTED,
-                                           f"KV transfer of {request_id!r} was cancelled"
-                                           ) from None
-            if ticket.aborted:
-                yield GenerateOutput([], [], FinishReason.ABORT, num_cached)
-                return
-            async with aclosing(self._decode(ticket, num_cached, handle is None)) as outputs:
-                async for output in outputs:
-                    yield output
-        finally:
+                self.check_handle(request, handle)
+            if self._num_waiting >= self.config.max_waiting_requests:
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"decode waiting queue is full "
+                                   f"({self.config.max_waiting_requests} requests); retry "
+                                   "later or elsewhere")
+            stream = self._streams[request_id] = _Stream(request, handle)
             try:
-                await asyncio.shield(self.engine.call(lambda e: free_unscheduled_op(e, request)))
+                async with aclosing(self._decode(stream)) as outputs:
+                    async for output in outputs:
+                        yield output
             finally:
-                self._tickets.pop(request_id, None)
-                self._notify_admission()
-                self._release(ticket)  # a no-op unless the transfer never ran
+                if stream.transfer is not None and not stream.transfer.done():
+                    stream.transfer.cancel()
+                    await asyncio.gather(stream.transfer, return_exceptions=True)
+                self._streams.pop(request_id, None)
+                self._release(stream)  # a no-op unless the transfer never ran
 
-    async def _decode(self, ticket: _Ticket, num_cached: int | None,
-                      local: bool) -> AsyncIterator[GenerateOutput]:
-        request = ticket.request
+    async def _decode(self, stream: _Stream) -> AsyncIterator[GenerateOutput]:
+        request, handle = stream.request, stream.handle
         arrival = last = time.monotonic()
         num_generated = 0
-        async with aclosing(self.engine.generate(request)) as deltas:
-            async for delta in deltas:
-                now = time.monotonic()
-                if ticket.aborted and not delta.finished:
-                    yield GenerateOutput([], [], FinishReason.ABORT, None)
-                    return
-                first = num_generated == 0
-                if first and local:
-                    num_cached = max(request.num_cached_tokens, 0)
-                    self.metrics.first_token(now - arrival)
-                elif not first and not ticket.paused_since_token:
-                    self.metrics.inter_token(now - last)
-                ticket.paused_since_token = ticket.paused
-                last = now
-                num_generated += len(delta.new_token_ids)
-                if delta.finished:
-                    self._notify_admission()
-                    self.metrics.request_finished(
-                        delta.finish_reason.value, request.num_prompt_tokens if local else 0,
-                        num_generated, now - arrival)
-                yield GenerateOutput(delta.new_token_ids, delta.new_logprobs,
-                                     delta.finish_reason, num_cached if first else None,
-                                     delta.prompt_logprobs)
+        num_cached = None
+        waiting = True
+        self._num_waiting += 1  # NOTE: here, with its try: a body never started adds none
+        try:
+            if handle is not None:
+                stream.transfer = await self._start_transfer(stream, handle)
+            async with aclosing(self.engine.generate(request)) as deltas:
+                async for delta in deltas:
+                    now = time.monotonic()
+                    transfer = stream.transfer
+                    if delta.finish_reason == FinishReason.ABORT and transfer is not None \
+                            and transfer.done() and not transfer.cancelled() \
+                            and transfer.exception() is not None:
+                        raise transfer.exception()  # type: ignore[misc]
+                    if stream.aborted and not delta.finished:
+                        yield GenerateOutput([], [], FinishReason.ABORT, None)
+                        return
+                    first = num_generated == 0
+                    if first:
+                        waiting = False
+                        self._num_waiting -= 1
+                        if handle is None:
+                            num_cached = max(request.num_cached_tokens, 0)
+                            self.metrics.first_token(now - arrival)
+                        else:
+                            num_cached = stream.num_hit_tokens
+                    elif not stream.paused_since_token:
+                        self.metrics.inter_token(now - last)
+                    stream.paused_since_token = stream.paused
+                    last = now
+                    num_generated += len(delta.new_token_ids)
+                    if delta.finished:
+                        self.metrics.request_finished(
+                            delta.finish_reason.value,
+                            request.num_prompt_tokens if handle is None else 0,
+                            num_generated, now - arrival)
+                    yield GenerateOutput(delta.new_token_ids, delta.new_logprobs,
+                                         delta.finish_reason, num_cached if first else None,
+                                         delta.prompt_logprobs)
+        finally:
+            if waiting:
+                self._num_waiting -= 1
 
-    async def _admit_transferred(self, ticket: _Ticket, handle: KVHandle) -> int:
-        """Reserve blocks, fetch the missing ones, commit. Returns the prefix-hit tokens."""
-        request = ticket.request
+    async def _start_transfer(self, stream: _Stream, handle: KVHandle) -> asyncio.Task:
+        """Wait out transfers of the same prefix, claim its blocks, and start the receive
+        task (it waits for the scheduler to allocate the request's blocks)."""
+        request = stream.request
         await self._wait_for_shared_blocks(handle)
         # NOTE: claimed with no await since the wait above, so two requests on one prefix
         # can never both find it unclaimed (some claimed blocks may turn out to be cached
         # here already; a request waiting on them then just waits for our commit).
-        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
         mine = [h for h in handle.block_hashes if h not in self._blocks_in_flight]
         for block_hash in mine:
             self._blocks_in_flight[block_hash] = done
-        try:
-            num_hit_tokens, block_ids = await self._reserve(ticket, handle.num_tokens)
-            first_missing = num_hit_tokens // self.block_size
-            missing = list(range(first_missing, len(handle.block_ids)))
-            try:
-                if missing:
-                    await self.fetcher.fetch(request.request_id, handle, missing,
-                                             [block_ids[i] for i in missing])
-            finally:
-                # Our blocks hold the KV now (or the transfer failed): the prefill's pin has
-                # served its purpose, whatever the decode does next.
-                self._release(ticket)
-            num_computed = max(handle.num_tokens, num_hit_tokens)
-            await self.engine.call(lambda e: commit_op(e, request, num_computed))
-        finally:
+        allocated = loop.create_future()
+        self.kv_connector.expect_recv(
+            request.request_id,
+            lambda ids, hit: loop.call_soon_threadsafe(_set_result, allocated, (ids, hit)))
+        request.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": handle.num_tokens}
+        transfer = loop.create_task(self._receive(stream, handle, allocated))
+
+        def on_done(task: asyncio.Task) -> None:
             for block_hash in mine:
                 if self._blocks_in_flight.get(block_hash) is done:
                     del self._blocks_in_flight[block_hash]
             done.set_result(None)
-        logger.debug("[%s] KV in place: %d blocks reused, %d fetched from %s",
-                     request.request_id, first_missing, len(missing), handle.prefill_address)
+            if task.cancelled() or task.exception() is not None:
+                self.engine.request_abort([request.request_id])  # its ABORT ends the stream
+
+        transfer.add_done_callback(on_done)
+        return transfer
+
+    async def _receive(self, stream: _Stream, handle: KVHandle,
+                       allocated: asyncio.Future) -> int:
+        """Fetch the missing blocks into those the scheduler allocated, tell the connector,
+        and wait for the scheduler to take the KV in. Returns the prefix-hit tokens."""
+        request_id = stream.request.request_id
+        ok = False
+        try:
+            block_ids, num_hit_tokens = await allocated
+            stream.num_hit_tokens = num_hit_tokens
+            first_missing = num_hit_tokens // self.block_size
+            missing = list(range(first_missing, len(handle.block_ids)))
+            try:
+                if missing:
+                    await self.fetcher.fetch(request_id, handle, missing,
+                                             [block_ids[i] for i in missing])
+                ok = True
+            finally:
+                # Our blocks hold the KV now (or the transfer failed): the prefill's pin has
+                # served its purpose, whatever the decode does next.
+                self._release(stream)
+        finally:
+            self.kv_connector.recv_finished(request_id, ok)
+            taken = self.engine.submit(lambda e: e.scheduler.update_from_kv_xfer_finished())
+        await taken
+        logger.debug("[%s] KV in place: %d blocks reused, %d fetched from %s", request_id,
+                     first_missing, len(missing), handle.prefill_address)
         return num_hit_tokens
 
     async def _wait_for_shared_blocks(self, handle: KVHandle) -> None:
@@ -295,75 +292,35 @@ class DecodeWorker(EngineWorker):
                 return
             await asyncio.wait(pending)
 
-    def _release(self, ticket: _Ticket) -> None:
-        """ReleaseKV for the ticket's handle, as a tracked background task (`close` awaits
-        or cancels it); once per ticket, later calls and tickets without a handle are no-ops.
-        """
-        if ticket.handle is None or ticket.released:
+    def _release(self, stream: _Stream) -> None:
+        """ReleaseKV for the stream's handle, as a tracked background task (`close` awaits
+        or cancels it); once per stream, later calls and streams without a handle are
+        no-ops."""
+        if stream.handle is None or stream.released:
             return
-        ticket.released = True
-        self.spawn(self.fetcher.release(ticket.request.request_id, ticket.handle))
-
-    async def _reserve(self, ticket: _Ticket, num_tokens: int) -> tuple[int, list[int]]:
-        """Wait (FIFO) until the pool can hold the request's first `num_tokens` tokens."""
-        self._admission.append(ticket)
-        try:
-            while True:
-                event = self._admission_event
-                if self._admission[0] is ticket:
-                    got = await self.engine.call(
-                        lambda e: reserve_op(e, ticket.request, num_tokens,
-                                             self.watermark_blocks))
-                    if got is not None:
-                        return got
-                try:
-                    await asyncio.wait_for(event.wait(), _ADMISSION_POLL_S)
-                except TimeoutError:
-                    pass
-        finally:
-            self._admission.remove(ticket)
-            self._notify_admission()
-
-    def _notify_admission(self) -> None:
-        """Wake the admission queue (blocks were freed, or its head changed)."""
-        self._admission_event.set()
-        self._admission_event = asyncio.Event()
+        stream.released = True
+        self.spawn(self.fetcher.release(stream.request.request_id, stream.handle))
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         aborted = set()
         for request_id in request_ids:
-            ticket = self._tickets.get(request_id)
-            if ticket is not None:
-                ticket.aborted = True
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.aborted = True
                 aborted.add(request_id)
-                if ticket.task is not None and not ticket.task.done():
-                    ticket.task.cancel()
         aborted.update(self.engine.request_abort(request_ids))
         return sorted(aborted)
 
     async def set_paused(self, request_ids: list[str], paused: bool) -> list[str]:
         """Pause or resume requests in the engine (`AsyncEngine.set_paused`); returns the ids
-        it holds. A request still queued for blocks or in its KV transfer is not there yet:
-        ignored (the gateway asks again while its client stays behind)."""
+        it holds. A request still waiting for its KV is not scheduled yet: ignored (the
+        gateway asks again while its client stays behind)."""
         held = await self.engine.set_paused(request_ids, paused)
         for request_id in held:
-            if (ticket := self._tickets.get(request_id)) is not None:
-                ticket.paused = paused
-                ticket.paused_since_token = ticket.paused_since_token or paused
+            if (stream := self._streams.get(request_id)) is not None:
+                stream.paused = paused
+                stream.paused_since_token = stream.paused_since_token or paused
         return held
-
-    def num_pending(self) -> int:
-        return len(self._admission)
-
-    def num_in_flight(self) -> int:
-        return len(self._tickets)
-
-    def owned_request_ids(self) -> set[str]:
-        return set(self._tickets)
-
-    def request_labels(self) -> dict[str, tuple[str, Request | None]]:
-        # Blocks held outside the scheduler: reserved for a transfer, not yet committed.
-        return {rid: ("transfer", t.request) for rid, t in self._tickets.items()}
 
     def transfers(self) -> list[TransferView]:
         now = time.monotonic()
@@ -373,3 +330,8 @@ class DecodeWorker(EngineWorker):
     async def close(self) -> None:
         await super().close()
         await self.fetcher.close()
+
+
+def _set_result(fut: asyncio.Future, result: object) -> None:
+    if not fut.done():
+        fut.set_result(result)

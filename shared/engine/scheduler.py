@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from shared.config import SchedulerConfig
+from shared.engine.scheduler_kv_transfer import KVTransferScheduling
 from shared.engine.scheduler_output import (
     RequestOutputDelta,
     ScheduledRequest,
@@ -42,7 +43,7 @@ from shared.request import Request, RequestStatus
 __all__ = ["Scheduler", "check_stop"]
 
 
-class Scheduler(RequestPausing):
+class Scheduler(RequestPausing, KVTransferScheduling):
     """Decides, each step, which requests run and how many of their tokens.
 
     Args:
@@ -56,8 +57,6 @@ class Scheduler(RequestPausing):
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.kv_connector = kv_connector
-        self.finished_sending: dict[str, Request] = {}
-        """Finished requests whose blocks the connector holds for a transfer, by id."""
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting, preempted or running) by id."""
         self.waiting: deque[Request] = deque()
@@ -74,6 +73,7 @@ class Scheduler(RequestPausing):
         self._finished_req_ids: list[str] = []
         self.spec_decoding_stats = SpecDecodingStats()
         """Speculative decoding counters (all 0 without speculation)."""
+        self._init_kv_transfer()
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -90,7 +90,10 @@ class Scheduler(RequestPausing):
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
-        request.status = RequestStatus.WAITING
+        params = request.kv_transfer_params
+        request.status = (RequestStatus.WAITING_FOR_REMOTE_KVS
+                          if params and params.get("do_remote_prefill")
+                          else RequestStatus.WAITING)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -109,7 +112,7 @@ class Scheduler(RequestPausing):
                 continue
             request.status = RequestStatus.FINISHED_ABORTED
             self.paused.pop(request_id, None)
-            self.kv_cache_manager.free(request)
+            self._free_finished(request)
             self._finished_req_ids.append(request_id)
             aborted.append(request)
         if aborted:
@@ -118,8 +121,9 @@ class Scheduler(RequestPausing):
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step could make progress: an unfinished request that is not paused."""
-        return len(self.requests) > len(self.paused)
+        """Whether a step could make progress: an unfinished request that is neither paused
+        nor holding blocks a receive is filling."""
+        return len(self.requests) > len(self.paused) + len(self.waiting_for_remote_kvs)
 
     @property
     def num_running(self) -> int:
@@ -136,7 +140,8 @@ class Scheduler(RequestPausing):
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.stats
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + len(self.waiting_for_remote_kvs),
             num_paused=len(self.paused),
             kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
             prefix_cache_requests=prefix.requests, prefix_cache_queries=prefix.queries,
@@ -202,6 +207,11 @@ class Scheduler(RequestPausing):
         for request in (self._admission_order() if can_admit else ()):
             if preempted_ids or token_budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not self._allocate_for_remote_kvs(request):
+                    break  # nobody overtakes the head of the admission order
+                admitted.append(request)  # out of the queue, not running
+                continue
             hits, num_hit_tokens = [], 0
             # NOTE: prompt logprobs need every prompt position's logits: no prefix-cache hits.
             if request.num_computed_tokens == 0 and \
@@ -332,23 +342,4 @@ class Scheduler(RequestPausing):
         del self.requests[request.request_id]
         self.paused.pop(request.request_id, None)
         self._finished_req_ids.append(request.request_id)
-        kv = self.kv_cache_manager
-        delay, params = (self.kv_connector.request_finished(
-            request, kv.get_block_ids(request.request_id))
-            if self.kv_connector is not None else (False, None))
-        if delay:
-            assert params is not None
-            params["block_hashes"] = kv.get_block_hashes(request)[
-                :request.num_prompt_tokens // kv.block_size]
-            self.finished_sending[request.request_id] = request
-        else:
-            kv.free(request)
-        request.kv_transfer_params = params
-
-    def update_from_kv_xfer_finished(self) -> None:
-        """Free the blocks of held requests whose transfer the connector reports done."""
-        if self.finished_sending:
-            assert self.kv_connector is not None
-            for request_id in self.kv_connector.get_finished():
-                self.kv_cache_manager.free(self.finished_sending.pop(request_id))
-
+        self._free_finished(request)

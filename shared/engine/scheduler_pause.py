@@ -33,7 +33,9 @@ class RequestPausing:
         """
         paused = []
         for request_id in request_ids:
-            if request_id in self.requests and request_id not in self.paused:
+            # NOTE: a request waiting for remote KV is not there yet: ignored.
+            if request_id in self.requests and request_id not in self.paused and \
+                    self.requests[request_id].status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.paused[request_id] = self.requests[request_id]
                 paused.append(request_id)
         if paused:

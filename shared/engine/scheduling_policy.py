@@ -104,6 +104,8 @@ def prefill_urgency(waiting: Iterable[Request], running: Iterable[Request],
     deadline = time.monotonic() - config.max_wait_s
     best = NO_PREFILL
     for r in waiting:
+        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            continue  # its prompt's KV comes from another instance
         if r.status == RequestStatus.PREEMPTED or r.arrival_time <= deadline:
             best = 0
             break

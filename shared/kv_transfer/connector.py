@@ -1,4 +1,4 @@
-"""KVConnector: when the scheduler may free a finished prefill's blocks (vLLM v1's shape).
+"""KVConnector: when the scheduler may free or compute with a transfer's blocks (vLLM v1's shape).
 
 The scheduler owns every block. A prefill request marked for a remote decode
 (`request.kv_transfer_params = {"do_remote_decode": True}`) that ends FINISHED_LENGTH_CAPPED
@@ -11,7 +11,14 @@ The scheduler owns every block. A prefill request marked for a remote decode
     ReleaseKV / Abort / TTL  ─▶ close (service loop)
     schedule() or an op      ─▶ get_finished(): closed and no reader ─▶ scheduler frees
 
-Threads: `request_finished` and `get_finished` run on the engine thread (the scheduler's);
+Decode side: a request with `kv_transfer_params={"do_remote_prefill": True, "num_tokens": N}`
+waits in the scheduler as WAITING_FOR_REMOTE_KVS; the scheduler allocates its blocks in its
+admission order and calls `update_state_after_alloc` (the service's `expect_recv` callback
+learns the block ids and starts the fetch); `recv_finished` (service loop) then
+`get_finished` (engine thread) tell the scheduler the KV is in place.
+
+Threads: `request_finished`, `update_state_after_alloc` and `get_finished` run on the engine
+thread (the scheduler's);
 `start_send`, `end_send`, `close` and the views run on the service's event loop. One lock
 guards the table; no call blocks. After a `close` or the last `end_send` leaves a transfer
 done, the service queues an engine op that calls `Scheduler.update_from_kv_xfer_finished`
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +64,15 @@ class SendingView:
 
 
 class KVConnector:
-    """The prefill side of KV transfers: which finished requests keep their blocks."""
+    """Both sides of KV transfers: which finished requests keep their blocks (prefill),
+    which waiting requests' blocks a receive is writing (decode)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sending: dict[str, _Sending] = {}
+        self._on_alloc: dict[str, Callable[[list[int], int], None]] = {}
+        self._recving: set[str] = set()
+        self._recv_done: dict[str, bool] = {}
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -81,14 +93,35 @@ class KVConnector:
                                                          time.monotonic())
         return True, {"block_ids": list(block_ids)}
 
-    def get_finished(self) -> set[str]:
-        """Ids of held requests whose transfer is done (closed, no reader): forgotten here,
-        their blocks are the caller's to free now."""
+    def get_finished(self) -> tuple[set[str], dict[str, bool]]:
+        """(finished_sending, finished_recving), forgotten here: held requests whose send is
+        done (closed, no reader: their blocks are the caller's to free now), and requests
+        whose receive ended (`recv_finished`: nothing writes their blocks any more), each
+        with whether their KV is in place."""
         with self._lock:
             done = {rid for rid, s in self._sending.items() if s.closed and not s.num_fetches}
             for request_id in done:
                 del self._sending[request_id]
-        return done
+            recving, self._recv_done = self._recv_done, {}
+        return done, recving
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_hit_tokens: int) -> None:
+        """A WAITING_FOR_REMOTE_KVS request got its blocks (`num_hit_tokens` of them cached
+        here already): the callback of `expect_recv` is told and its receive starts. With no
+        callback (the receive was given up before: its request is being aborted) nothing
+        will write them."""
+        with self._lock:
+            on_alloc = self._on_alloc.pop(request.request_id, None)
+            if on_alloc is not None:
+                self._recving.add(request.request_id)
+        if on_alloc is not None:
+            on_alloc(list(block_ids), num_hit_tokens)
+
+    def is_recving(self, request_id: str) -> bool:
+        """Its blocks may be written by a receive now (never free them then)."""
+        with self._lock:
+            return request_id in self._recving
 
     # -- service loop -----------------------------------------------------------------------
 
@@ -130,6 +163,22 @@ class KVConnector:
                 return False, False
             s.closed = True
             return True, not s.num_fetches
+
+    def expect_recv(self, request_id: str,
+                    on_alloc: Callable[[list[int], int], None]) -> None:
+        """Call `on_alloc(block_ids, num_hit_tokens)` (on the engine thread) once the
+        scheduler allocates the request's blocks. Pair with `recv_finished`."""
+        with self._lock:
+            self._on_alloc[request_id] = on_alloc
+
+    def recv_finished(self, request_id: str, ok: bool) -> None:
+        """The receive ended (`ok`: the KV is in place) or was given up; nothing writes the
+        blocks any more. The scheduler learns it at its next `get_finished`."""
+        with self._lock:
+            self._on_alloc.pop(request_id, None)
+            if request_id in self._recving:
+                self._recving.discard(request_id)
+                self._recv_done[request_id] = ok
 
     def expired(self, ttl: float) -> list[str]:
         """Open ids unread for `ttl` seconds since they finished (the reaper closes them)."""

@@ -134,11 +134,15 @@ async def test_decode_admits_only_what_its_pool_holds(small, long_pins):
     assert first_a.token_ids
     # b waits for blocks: a holds 13+ of 23, b needs 13 (plus a watermark block).
     task_b = asyncio.ensure_future(_collect(c.decode_stub.Generate(req_b, timeout=RPC_TIMEOUT)))
+    async def num_waiting() -> int:  # b, WAITING_FOR_REMOTE_KVS in the decode's scheduler
+        state = await c.decode_stub.GetState(pb.GetStateRequest(), timeout=RPC_TIMEOUT)
+        return state.num_waiting
+
     for _ in range(400):
-        if c.decode.worker.num_pending() == 1:
+        if await num_waiting() == 1:
             break
         await asyncio.sleep(0.01)
-    assert c.decode.worker.num_pending() == 1
+    assert await num_waiting() == 1
     # The waiting queue holds one request: c is turned away.
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await _collect(c.decode_stub.Generate(req_c, timeout=RPC_TIMEOUT))

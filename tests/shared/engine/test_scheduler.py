@@ -500,6 +500,49 @@ def test_admits_request_with_transferred_kv():
     assert req.num_output_tokens == 3 and kv.num_free_blocks == 63
 
 
+def test_waiting_for_remote_kvs_gets_blocks_then_runs_once_received():
+    """Decode role: the scheduler allocates a transfer's blocks in its admission order; the
+    request waits (not stepping) until the connector reports the receive done."""
+    connector = KVConnector()
+    sched = make_scheduler(kv_connector=connector)
+    kv = sched.kv_cache_manager
+    req = make_request("a", 40, max_tokens=3)
+    req.append_output_token(model_token(req))
+    req.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": 40}
+    allocated = []
+    connector.expect_recv("a", lambda ids, hit: allocated.append((ids, hit)))
+    sched.add_request(req)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert sched.schedule().scheduled == [] and allocated == [([1, 2, 3], 0)]
+    assert not sched.has_unfinished_requests() and sched.make_stats().num_waiting == 1
+    runner = FakeRunner(sched)
+    for pos in range(40):  # the "transfer" writes the prompt's KV
+        runner.kv[pos // BS * BS + BS + pos % BS] = (pos, req.token_at(pos))
+    connector.recv_finished("a", ok=True)
+    out, _ = step(sched, runner)
+    assert shape(out) == [("a", 40, 1, True)] and req.num_cached_tokens == 40
+    run_all(sched, runner)
+    assert req.num_output_tokens == 3 and kv.num_free_blocks == 63
+
+
+def test_a_receive_aborted_mid_write_keeps_its_blocks_until_it_ends():
+    connector = KVConnector()
+    sched = make_scheduler(kv_connector=connector)
+    kv = sched.kv_cache_manager
+    req = make_request("a", 40, max_tokens=3)
+    req.append_output_token(1)
+    req.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": 40}
+    connector.expect_recv("a", lambda ids, hit: None)
+    sched.add_request(req)
+    sched.schedule()
+    assert [r.request_id for r in sched.abort_requests(["a"])] == ["a"]
+    assert kv.num_free_blocks == 60 and "a" in sched.aborted_recving  # still written
+    connector.recv_finished("a", ok=False)
+    sched.update_from_kv_xfer_finished()
+    assert kv.num_free_blocks == 63 and not sched.aborted_recving
+    kv.check_invariants()
+
+
 # -- prefix caching -------------------------------------------------------------------------
 
 def test_shared_prefix_is_reused():

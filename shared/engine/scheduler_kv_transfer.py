@@ -1,0 +1,109 @@
+"""The Scheduler's KV-transfer half: blocks of requests whose KV crosses instances.
+
+    prefill: a finished request the connector delays ──▶ finished_sending ──▶ freed when
+             the connector reports its send done
+    decode:  WAITING_FOR_REMOTE_KVS ──allocate (admission order)──▶ waiting_for_remote_kvs
+             ──receive done──▶ num_computed_tokens set, blocks cached ──▶ WAITING (scheduled
+             like any request); aborted while its blocks are written ──▶ aborted_recving,
+             freed when the receive ends; a failed receive leaves it for the service to
+             abort
+
+The blocks are the scheduler's in every state (docs/lifecycle.md); the connector
+(shared/kv_transfer/connector.py) only says when a transfer ended.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from shared.kv_cache.kv_cache_manager import KVCacheManager
+from shared.kv_transfer.connector import KVConnector
+from shared.request import Request, RequestStatus
+
+
+class KVTransferScheduling:
+    """The KV-transfer half of `Scheduler` (its queues and its kv_connector)."""
+
+    kv_cache_manager: KVCacheManager
+    kv_connector: KVConnector | None
+    requests: dict[str, Request]
+    waiting: deque[Request]
+    running: list[Request]
+
+    def _init_kv_transfer(self) -> None:
+        self.finished_sending: dict[str, Request] = {}
+        """Finished requests whose blocks the connector holds for a send, by id."""
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        """WAITING_FOR_REMOTE_KVS requests holding their blocks while a receive fills them."""
+        self.aborted_recving: dict[str, Request] = {}
+        """Requests aborted while a receive was writing their blocks (freed once it ends)."""
+        self.remote_kv_watermark = max(1, self.kv_cache_manager.block_pool.num_gpu_blocks // 100)
+        """Blocks a receive leaves free while requests run (room for their next tokens)."""
+
+    def _allocate_for_remote_kvs(self, request: Request) -> bool:
+        """Hold blocks for the first `num_tokens` tokens of a WAITING_FOR_REMOTE_KVS request:
+        prefix-cache hits first, fresh blocks (cached once received) after. False when the
+        pool cannot hold them now (with the watermark to spare while requests run), even
+        after preempting paused requests."""
+        kv = self.kv_cache_manager
+        params = request.kv_transfer_params
+        assert params is not None and self.kv_connector is not None
+        hits, num_hit_tokens = kv.get_computed_blocks(request)
+        num_computed = max(params["num_tokens"], num_hit_tokens)
+        num_new_blocks = -(-num_computed // kv.block_size) - len(hits)
+        spare = self.remote_kv_watermark if self.running else 0
+        while kv.num_free_blocks - num_new_blocks - sum(1 for b in hits if b.ref_cnt == 0) \
+                < spare:
+            if not self.preempt_paused():  # type: ignore[attr-defined]
+                return False
+        if kv.allocate_slots(request, num_computed - num_hit_tokens, hits, num_hit_tokens,
+                             delay_cache_blocks=True) is None:
+            return False
+        params["num_computed_tokens"] = num_computed
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self.kv_connector.update_state_after_alloc(
+            request, kv.get_block_ids(request.request_id), num_hit_tokens)
+        return True
+
+    def _free_finished(self, request: Request) -> None:
+        """Free a finished request's blocks, unless a transfer still needs them: the
+        connector delays a prefill's (its params then name the blocks), a receive still
+        writing an aborted request's holds them until it ends."""
+        kv = self.kv_cache_manager
+        request_id = request.request_id
+        if self.waiting_for_remote_kvs.pop(request_id, None) is not None and \
+                self.kv_connector is not None and self.kv_connector.is_recving(request_id):
+            self.aborted_recving[request_id] = request
+            return
+        delay, params = (self.kv_connector.request_finished(request, kv.get_block_ids(request_id))
+                         if self.kv_connector is not None else (False, None))
+        if delay:
+            assert params is not None
+            params["block_hashes"] = kv.get_block_hashes(request)[
+                :request.num_prompt_tokens // kv.block_size]
+            self.finished_sending[request_id] = request
+        else:
+            kv.free(request)
+        request.kv_transfer_params = params
+
+    def update_from_kv_xfer_finished(self) -> None:
+        """Apply the transfers the connector reports ended: free sent (or aborted, received)
+        requests' blocks; a received request's KV is in place: its tokens are computed, its
+        full blocks cached, and it waits to be scheduled like any request."""
+        if self.kv_connector is None or not (self.finished_sending or
+                                             self.waiting_for_remote_kvs or self.aborted_recving):
+            return
+        kv = self.kv_cache_manager
+        sent, received = self.kv_connector.get_finished()
+        for request_id in sent:
+            kv.free(self.finished_sending.pop(request_id))
+        for request_id, ok in received.items():
+            if (request := self.aborted_recving.pop(request_id, None)) is not None:
+                kv.free(request)
+            elif ok and (request := self.waiting_for_remote_kvs.pop(request_id, None)):
+                assert request.kv_transfer_params is not None
+                num_computed = request.kv_transfer_params["num_computed_tokens"]
+                request.num_computed_tokens = num_computed
+                kv.cache_blocks(request, num_computed)
+                request.status = RequestStatus.WAITING
+                self.waiting.append(request)
