@@ -305,9 +305,10 @@ class LlamaForCausalLM(nn.Module):
     def quantize_int8(self) -> None:
         """Replace, once after the weights are loaded, the fp32 weights of every linear layer,
         the LM head and the embeddings by int8 ones, symmetric per output channel (row), and
-        drop the fp32 copies (`kernels.cpu_int8`). All but `qkv_proj` (the most sensitive
-        input: perplexity +2.72% with it, +1.76% without) also quantize their activations
-        (W8A8 on VNNI, `kernels.cpu_int8_vnni`). Norms, rotary tables and biases stay fp32.
+        drop the fp32 copies (`kernels.cpu_int8`). All but `qkv_proj` also quantize their
+        activations to int8 (W8A8 on VNNI, `kernels.cpu_int8_vnni`); `qkv_proj`, the most
+        sensitive input (perplexity +2.72% in int8), takes 16-bit ones (+1.80% in all, +1.76%
+        with fp32 ones). Norms, rotary tables and biases stay fp32.
         A tied LM head and embedding share one int8 tensor.
 
         Raises:
@@ -319,8 +320,9 @@ class LlamaForCausalLM(nn.Module):
         before = self.resident_weight_bytes()
         for name, module in self.named_modules():
             if isinstance(module, Linear):
+                qkv = name.endswith("qkv_proj")
                 module.int8_weight = cpu_int8.quantize_linear(
-                    module.weight, module.bias, w8a8=not name.endswith("qkv_proj"))
+                    module.weight, module.bias, w8a8=not qkv, a16=qkv)
                 module.packed = None
                 module.gemv = None
                 module.weight = None
