@@ -74,11 +74,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def engine(self) -> EngineCore:
-        """Deprecated alias, removed once every caller uses engine_core."""
-        return self.engine_core
-
     # -- asyncio side ---------------------------------------------------------------------
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:

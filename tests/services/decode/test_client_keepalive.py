@@ -22,7 +22,7 @@ from tests.services.helpers import RPC_TIMEOUT
 pytestmark = [pytest.mark.asyncio(loop_scope="session"),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP")]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FREE_BOUND_S = 10.0
 CLIENT = """
 import sys, grpc
