@@ -232,6 +232,11 @@ class AsyncEngine:
             self.num_steps += 1
             self.last_step_time = time.monotonic()
             self._dispatch(deltas)
+            if not self.engine_core.last_step_scheduled:
+                # Nothing could run (e.g. transfers waiting for blocks that receives in
+                # flight hold): wait for an op (a receive finishing) instead of spinning.
+                self._wake.wait(_YIELD_WAIT_S)
+                self._wake.clear()
 
     def _gather_burst(self, gap_s: float) -> None:
         """Take arrivals (ops) until none comes for `gap_s`, for at most 10 * `gap_s`.

@@ -81,6 +81,8 @@ class EngineCore:
         """This engine's slot on the host's core board; None: a fixed thread count."""
         self.max_decode_stall_ns = int(parallel_config.max_decode_stall_s * 1e9)
         self._last_step_end_ns = 0
+        self.last_step_scheduled = False
+        """Whether the last step scheduled any token (AsyncEngine waits for an op if not)."""
         self.model_config = model_config
         self.structured_output = StructuredOutputManager(
             XgrammarBackend(model_config.model_path, model_config.vocab_size))
@@ -187,7 +189,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if self.drafter is not None and scheduler_output.preempted_request_ids:
             self.drafter.remove_requests(scheduler_output.preempted_request_ids)
-        if not scheduler_output.scheduled:
+        self.last_step_scheduled = bool(scheduler_output.scheduled)
+        if not self.last_step_scheduled:
             return []
         try:
             sampled = self.model_runner.execute_model(scheduler_output)

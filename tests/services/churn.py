@@ -22,6 +22,7 @@ class ChurnEngine:
     With `target_requests`, each step tops the scheduler up to that many requests (so an
     AsyncEngine keeps stepping), and `step_pause_s` sleeps after each step (leaving the GIL
     to the event loop, as a model step mostly does)."""
+    last_step_scheduled = True  # AsyncEngine reads it after each step
 
     def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, seed: int = 0,

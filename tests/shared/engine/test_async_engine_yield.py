@@ -14,6 +14,8 @@ from shared.engine.async_engine import AsyncEngine
 
 
 class _FakeCore:
+    last_step_scheduled = True  # AsyncEngine reads it after each step
+
     def __init__(self, waits: int) -> None:
         self.waits = waits
         self.acquires = 0
@@ -59,6 +61,7 @@ def test_waits_while_told_to_then_steps_and_never_looks_stalled():
 
 class _CountingCore:
     """Counts the requests added before its first step; steps until `target` are done."""
+    last_step_scheduled = True  # AsyncEngine reads it after each step
 
     def __init__(self, burst_gap_s: float, target: int) -> None:
         self.scheduler = SimpleNamespace(
@@ -122,5 +125,28 @@ def test_the_burst_wait_is_capped_at_ten_gaps():
         asyncio.run(_arrive(engine, 150, 0.01))
         assert core.seen_at_first_step is not None
         assert 1 <= core.seen_at_first_step < 150
+    finally:
+        engine.shutdown()
+
+
+class _BlockedCore(_CountingCore):
+    """Has work that cannot be scheduled (as transfers waiting for blocks that receives in
+    flight hold): every step schedules nothing."""
+
+    last_step_scheduled = False
+
+    def step(self) -> list:
+        self.steps = getattr(self, "steps", 0) + 1
+        return []
+
+
+def test_an_engine_whose_step_schedules_nothing_waits_for_an_op_instead_of_spinning():
+    core = _BlockedCore(burst_gap_s=0.0, target=1)
+    engine = AsyncEngine(core, name="blocked-test")  # type: ignore[arg-type]
+    try:
+        asyncio.run(_arrive(engine, 1, 0.3))  # one request; then 0.3 s with nothing new
+        # A wait of _YIELD_WAIT_S (5 ms) per empty step: about 60 steps in 0.3 s; a spinning
+        # loop makes tens of thousands.
+        assert 1 <= core.steps <= 300, core.steps
     finally:
         engine.shutdown()
