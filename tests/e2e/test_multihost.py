@@ -368,11 +368,22 @@ async def _start_streams(c: Cluster, messages_list, min_chunks: int,
     return streams, tasks
 
 
-async def _busiest_decode(c: Cluster) -> tuple[Engine, int]:
-    decodes = c.live_decodes()
-    running = [int(m.get("pdserve_num_requests_running", 0)) for m in await _scrape(c, decodes)]
-    i = max(range(len(decodes)), key=running.__getitem__)
-    return decodes[i], running[i]
+async def _busiest_decode(c: Cluster, streams: list[Stream]) -> tuple[Engine, int]:
+    """The decode running most of `streams`, by its gauges. These are sampled every
+    publish_interval (0.25 s), and a stream a few chunks in can be younger than the last
+    sample (every decode read 0 in a CI run), so read until one shows a running request."""
+    found: list[tuple[Engine, int]] = []
+
+    async def one_runs() -> bool:
+        decodes = c.live_decodes()
+        running = [int(m.get("pdserve_num_requests_running", 0))
+                   for m in await _scrape(c, decodes)]
+        i = max(range(len(decodes)), key=running.__getitem__)
+        found[:] = [(decodes[i], running[i])]
+        return running[i] >= 1 or all(s.done for s in streams)
+
+    await _until(one_runs, "a decode to report a running stream", 10, 0.1)
+    return found[0]
 
 
 def _token_ids(n: int, seed: int) -> list[int]:
@@ -487,7 +498,7 @@ async def test_a_decode_host_that_joins_gets_requests_within_10_s(c):
 async def test_a_cut_decode_host_fails_over_and_leaves_redis_within_one_ttl(c, reference):
     failovers = await _decode_failovers(c)
     streams, tasks = await _start_streams(c, CUT_STREAMS, min_chunks=3)
-    victim, running = await _busiest_decode(c)
+    victim, running = await _busiest_decode(c, streams)
     assert running >= 1
     instance_id = c.registered()[victim.address]
     cut_at = time.monotonic()
@@ -519,7 +530,7 @@ async def test_a_decode_host_drained_on_sigterm_finishes_its_streams(c, referenc
     retries_before = set(_retries(c))
     streams, tasks = await _start_streams(c, DRAIN_STREAMS, min_chunks=2,
                                           max_tokens=DRAIN_MAX_TOKENS)
-    victim, running = await _busiest_decode(c)
+    victim, running = await _busiest_decode(c, streams)
     assert running >= 1
     victim.process.terminate()
     gone_s = await _until(lambda: victim.address not in c.registered(),
