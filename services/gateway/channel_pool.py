@@ -36,21 +36,6 @@ _ENGINE_ID_RE = re.compile(r"(.+)-\d+(?:-retry\d+)?")
 """An engine request id: (the HTTP request's engine prefix)-choice[-retry<k>]."""
 
 
-class EngineOutput(NamedTuple):
-    """One step of one engine request, as the gateway consumes it."""
-
-    token_ids: list[int]
-    logprobs: list[engine_pb2.TokenLogprobs]
-    """Aligned with token_ids when logprobs were requested, else empty."""
-    finish_reason: int
-    """engine_pb2.FinishReason; FINISH_REASON_UNSPECIFIED while running."""
-    num_cached_tokens: int | None
-    """Prefix-cache hit of the instance that computed the prompt (first output only)."""
-    prompt_logprobs: list[engine_pb2.TokenLogprobs] | None = None
-    """First output only, when sampling_params.prompt_logprobs was set: one per prompt
-    token after the first (the first has no logprob)."""
-
-
 class _Channel(NamedTuple):
     channel: grpc.aio.Channel
     prefill: engine_pb2_grpc.PrefillServiceStub
