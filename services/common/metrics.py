@@ -112,10 +112,10 @@ class ServiceMetrics:
     def _l(self, metric, **extra):
         return metric.labels(model_name=self._model, **extra)
 
-    def update_engine(self, s: EngineStats, num_pinned_blocks: int, num_pending: int) -> None:
+    def update_engine(self, s: EngineStats, num_pinned_blocks: int) -> None:
         self._l(self._running).set(s.num_running)
         self._l(self._paused).set(s.num_paused)
-        self._l(self._waiting).set(s.num_waiting + num_pending)
+        self._l(self._waiting).set(s.num_waiting)
         self._l(self._kv_usage).set(s.kv_cache_usage)
         for state, value in (("free", s.num_free_blocks), ("cached", s.num_cached_blocks),
                              ("used", s.num_used_blocks), ("pinned", num_pinned_blocks)):

@@ -84,7 +84,7 @@ class InstanceMonitor:
         return InstanceInfo(
             instance_id=w.identity.instance_id, role=w.role, address=w.identity.address,
             model=w.model_name, num_running=s.num_running if s else 0,
-            num_waiting=(s.num_waiting if s else 0) + w.num_pending(),
+            num_waiting=s.num_waiting if s else 0,
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, block_size=w.block_size,
             metrics_address=self.metrics_address)
 
@@ -110,8 +110,7 @@ class InstanceMonitor:
             events, self.stats, after_abort = await self.worker.engine.call(
                 lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
                            e.num_prompt_tokens_after_abort))
-            self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks(),
-                                              self.worker.num_pending())
+            self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks())
             self.worker.metrics.prompt_tokens_after_abort(after_abort)
             if self.index is None or self._left:
                 return

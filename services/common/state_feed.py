@@ -92,7 +92,6 @@ class LoopSide(NamedTuple):
     """The worker's own bookkeeping, read on the event loop right before the op."""
 
     pinned_block_ids: frozenset[int]
-    num_pending: int
     request_labels: dict[str, tuple[str, object]]
     """request_id -> (status, its Request or None) of requests that hold blocks outside the
     scheduler (pinned, transfer)."""
@@ -202,7 +201,7 @@ class StateFeed:
             `engine.call`), returning a FeedSample.
         loop_side: the worker's bookkeeping of this moment (called synchronously, right
             before `sample` is submitted).
-        make_state: (stats, loop_side) -> the EngineState of this moment.
+        make_state: (stats, num_pinned_blocks) -> the EngineState of this moment.
         counters: the instance's cumulative token counters and latency histograms.
     """
 
@@ -328,7 +327,7 @@ class StateFeed:
         self._pinned = pinned
         requests = [_label(r, side.request_labels.get(r.request_id)) if r.status == "held"
                     else r for r in sample.requests]
-        state = self._make_state(sample.stats, len(pinned), side.num_pending)
+        state = self._make_state(sample.stats, len(pinned))
         return StateFrame(seq, full, bytes(self._map) if full else states, changed, state,
                           requests, side.transfers, sample.stats, counters, time.time())
 

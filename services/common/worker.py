@@ -135,11 +135,6 @@ class EngineWorker:
         """Blocks held for KV transfers (prefill)."""
         return 0
 
-    def num_pending(self) -> int:
-        """Requests waiting outside the engine's queues (none since the scheduler admits
-        decode transfers; kept for the load views' arithmetic)."""
-        return 0
-
     def num_in_flight(self) -> int:
         """Requests a drain waits for."""
         return len(self._active)
@@ -190,25 +185,24 @@ class EngineWorker:
                      f"{self.engine.seconds_in_step():.1f} s") if check_invariants else ""
         if orphans and not error:
             error = f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
-        return self.make_state(stats, self.num_pinned_blocks(), self.num_pending(), error)
+        return self.make_state(stats, self.num_pinned_blocks(), error)
 
-    def make_state(self, stats: EngineStats, num_pinned_blocks: int, num_pending: int,
+    def make_state(self, stats: EngineStats, num_pinned_blocks: int,
                    error: str = "") -> EngineState:
-        """The EngineState of engine `stats` plus this worker's pins and admissions (GetState
+        """The EngineState of engine `stats` plus this worker's pins (GetState
         and every state-feed frame build it here: the same numbers)."""
         return EngineState(
             instance_id=self.identity.instance_id, role=self.role, model=self.model_name,
             num_gpu_blocks=stats.num_gpu_blocks, num_free_blocks=stats.num_free_blocks,
             num_cached_blocks=stats.num_cached_blocks, num_used_blocks=stats.num_used_blocks,
             num_pinned_blocks=num_pinned_blocks, num_running=stats.num_running,
-            num_waiting=stats.num_waiting + num_pending, invariants_ok=not error,
+            num_waiting=stats.num_waiting, invariants_ok=not error,
             invariants_error=error, max_model_len=self.max_model_len,
             block_size=self.block_size, quantization=self.quantization,
             num_paused=stats.num_paused)
 
     def _feed_loop_side(self) -> LoopSide:
-        return LoopSide(self.pinned_block_ids(), self.num_pending(), self.request_labels(),
-                        self.transfers())
+        return LoopSide(self.pinned_block_ids(), self.request_labels(), self.transfers())
 
     def _feed_counters(self) -> Counters:
         m = self.metrics

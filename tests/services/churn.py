@@ -91,10 +91,10 @@ class ChurnEngine:
         pass
 
 
-def engine_state(stats, num_pinned: int, num_pending: int) -> EngineState:
+def engine_state(stats, num_pinned: int) -> EngineState:
     return EngineState("churn", "decode", "churn", stats.num_gpu_blocks, stats.num_free_blocks,
                        stats.num_cached_blocks, stats.num_used_blocks, num_pinned,
-                       stats.num_running, stats.num_waiting + num_pending, True, "", 4096, 16)
+                       stats.num_running, stats.num_waiting, True, "", 4096, 16)
 
 
 def feed(engine: ChurnEngine, pinned: set[int] | None = None, on_sample=None,
@@ -118,5 +118,5 @@ def feed(engine: ChurnEngine, pinned: set[int] | None = None, on_sample=None,
     async def stop_tracking():
         await call(lambda e: e.kv_cache_manager.block_pool.track_changes(False))
 
-    return StateFeed(sample, lambda: LoopSide(frozenset(pinned), 0, {}, []), engine_state,
+    return StateFeed(sample, lambda: LoopSide(frozenset(pinned), {}, []), engine_state,
                      lambda: Counters(0, 0, None, None), stop_tracking)

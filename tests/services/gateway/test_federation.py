@@ -34,7 +34,7 @@ def redis_url():
 
 def _engine(running: int):
     metrics = ServiceMetrics(MODEL, CollectorRegistry())
-    metrics.update_engine(EngineStats(running, 0, 0.25, 0, 10, 4, 100, 90, 5, 10), 0, 0)
+    metrics.update_engine(EngineStats(running, 0, 0.25, 0, 10, 4, 100, 90, 5, 10), 0)
     metrics.inter_token(0.03)
     httpd, _ = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
     return httpd
