@@ -18,12 +18,11 @@ learns the block ids and starts the fetch); `recv_finished` (service loop) then
 `get_finished` (engine thread) tell the scheduler the KV is in place.
 
 Threads: `request_finished`, `update_state_after_alloc` and `get_finished` run on the engine
-thread (the scheduler's);
-`start_send`, `end_send`, `close` and the views run on the service's event loop. One lock
-guards the table; no call blocks. After a `close` or the last `end_send` leaves a transfer
-done, the service queues an engine op that calls `Scheduler.update_from_kv_xfer_finished`
-(an idle engine does not step): the views stop counting a done transfer at once, so an op
-queued after sees its blocks freed.
+thread (the scheduler's); the rest on the service's event loop. One lock guards the table;
+no call blocks. After a `close` or the last `end_send` leaves a transfer done, the service
+queues an engine op that calls `Scheduler.update_from_kv_xfer_finished` (an idle engine does
+not step): `sending()` stops listing a done transfer at once, so an op queued after sees its
+blocks freed.
 """
 
 from __future__ import annotations
@@ -31,16 +30,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shared.request import Request, RequestStatus
 
-__all__ = ["KVConnector", "SendingView"]
+__all__ = ["KVConnector", "Sending"]
 
 
 @dataclass(slots=True)
-class _Sending:
+class Sending:
+    """A finished request whose blocks are held for a KV transfer (prefill)."""
+
     request: Request
     block_ids: list[int]
     finished_at: float
@@ -50,16 +51,6 @@ class _Sending:
     closed: bool = False
     """Released, aborted or expired: freed once no FetchKV reads it."""
     fetch_started: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class SendingView:
-    """A held request, as the audit and the state feed see it."""
-
-    request: Request
-    block_ids: list[int]
-    num_fetches: int
-    fetch_started: float
     """Monotonic start of the latest FetchKV stream."""
 
 
@@ -69,7 +60,7 @@ class KVConnector:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._sending: dict[str, _Sending] = {}
+        self._sending: dict[str, Sending] = {}
         self._on_alloc: dict[str, Callable[[list[int], int], None]] = {}
         self._recving: set[str] = set()
         self._recv_done: dict[str, bool] = {}
@@ -89,8 +80,8 @@ class KVConnector:
                 or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
             return False, None
         with self._lock:
-            self._sending[request.request_id] = _Sending(request, list(block_ids),
-                                                         time.monotonic())
+            self._sending[request.request_id] = Sending(request, list(block_ids),
+                                                        time.monotonic())
         return True, {"block_ids": list(block_ids)}
 
     def get_finished(self) -> tuple[set[str], dict[str, bool]]:
@@ -187,9 +178,9 @@ class KVConnector:
             return [rid for rid, s in self._sending.items()
                     if not s.closed and not s.num_fetches and s.finished_at <= deadline]
 
-    def sending(self) -> list[SendingView]:
-        """Held requests whose blocks an engine op queued now would still see held (a done
-        transfer's free is already queued: not listed)."""
+    def sending(self) -> list[Sending]:
+        """Copies of the held requests whose blocks an engine op queued now would still see
+        held (a done transfer's free is already queued: not listed)."""
         with self._lock:
-            return [SendingView(s.request, s.block_ids, s.num_fetches, s.fetch_started)
-                    for s in self._sending.values() if not (s.closed and not s.num_fetches)]
+            return [replace(s) for s in self._sending.values()
+                    if not (s.closed and not s.num_fetches)]
