@@ -113,8 +113,6 @@ class GatewayConfig:
     """With API keys: /metrics needs one too (default: open, as in vLLM, for Prometheus)."""
     metrics_compat: str | None = None
     """"vllm": /metrics also carries vLLM's `vllm:` names (services/gateway/metrics_compat.py)."""
-    federate_metrics: bool = True
-    """/metrics also carries every registered engine's metrics, labelled instance and role."""
 
     def __post_init__(self) -> None:
         """Raises: ValueError naming the flag of the first value out of range."""
@@ -144,6 +142,12 @@ def _env(name: str, default):
     return os.environ.get("PDSERVE_" + name.upper(), default)
 
 
+def _number(g, flag: str, kind: type, default: float, help: str | None = None) -> None:
+    """`--flag` of type `kind` (int or float), defaulting to PDSERVE_<FLAG> or `default`."""
+    g.add_argument(flag, type=kind, default=kind(_env(flag[2:].replace("-", "_"), default)),
+                   help=help)
+
+
 def _split_urls(values: list[str] | None) -> tuple[str, ...]:
     """`--prefill-url a:1 --prefill-url b:2` or `--prefill-url a:1,b:2`; grpc:// is dropped."""
     out: list[str] = []
@@ -170,7 +174,7 @@ def split_api_keys(value: str | tuple[str, ...] | list[str] | None) -> tuple[str
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("gateway")
     g.add_argument("--host", default=_env("host", "127.0.0.1"))
-    g.add_argument("--port", type=int, default=int(_env("port", 8000)))
+    _number(g, "--port", int, 8000)
     g.add_argument("--model", default=_env("model", DEFAULT_MODEL),
                    help="HF directory or the default model name (for the tokenizer)")
     g.add_argument("--served-model-name", default=_env("served_model_name", None))
@@ -184,49 +188,38 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--api-key", action="append", default=None,
                    help="accepted API key (repeat or comma-separate; also PDSERVE_API_KEY); "
                         "each key is a prefix-cache tenant")
-    g.add_argument("--local-prefill-threshold", type=int,
-                   default=int(_env("local_prefill_threshold", 0)))
-    g.add_argument("--request-timeout", type=float, default=float(_env("request_timeout", 600)))
-    g.add_argument("--rpc-timeout", type=float, default=float(_env("rpc_timeout", 5)))
-    g.add_argument("--max-body-size", type=int, default=int(_env("max_body_size", 16 << 20)))
-    g.add_argument("--block-size", type=int, default=int(_env("block_size", 16)))
+    _number(g, "--local-prefill-threshold", int, 0)
+    _number(g, "--request-timeout", float, 600)
+    _number(g, "--rpc-timeout", float, 5)
+    _number(g, "--max-body-size", int, 16 << 20)
+    _number(g, "--block-size", int, 16)
     g.add_argument("--log-level", default=_env("log_level", "info"))
     g = parser.add_argument_group("reliability")
-    g.add_argument("--max-request-retries", type=int,
-                   default=int(_env("max_request_retries", 2)),
-                   help="failovers one engine request may use")
-    g.add_argument("--health-check-interval", type=float,
-                   default=float(_env("health_check_interval", 1.0)),
-                   help="seconds between health checks of the instances")
-    g.add_argument("--max-num-queued-requests", type=int,
-                   default=int(_env("max_num_queued_requests", 256)),
-                   help="queued engine requests before 429 (0: no limit)")
-    g.add_argument("--max-queued-tokens", type=int, default=int(_env("max_queued_tokens", 0)),
-                   help="queued prompt + max_tokens before 429 (0: no limit)")
-    g.add_argument("--max-logprobs", type=int, default=int(_env("max_logprobs", 20)))
-    g.add_argument("--max-stop-strings", type=int, default=int(_env("max_stop_strings", 32)))
-    g.add_argument("--max-stop-string-length", type=int,
-                   default=int(_env("max_stop_string_length", 512)))
-    g.add_argument("--grace-period", type=float, default=float(_env("grace_period", 25.0)),
-                   help="seconds in-flight requests get to finish on shutdown")
-    g.add_argument("--max-stream-backlog", type=int,
-                   default=int(_env("max_stream_backlog", 64 << 10)),
-                   help="bytes of output a stream may have waiting for a slow client before "
-                        "it is cut with an error and its request aborted (0: no limit)")
-    g.add_argument("--socket-send-buffer", type=int,
-                   default=int(_env("socket_send_buffer", 64 << 10)),
-                   help="SO_SNDBUF of client connections, bytes (0: the kernel's autotuning)")
-    g.add_argument("--stream-pause-bytes", type=int,
-                   default=int(_env("stream_pause_bytes", 16 << 10)),
-                   help="bytes a client may be behind before its stream's engine requests "
-                        "are paused on the decode instance (0: never pause)")
-    g.add_argument("--stream-resume-bytes", type=int,
-                   default=int(_env("stream_resume_bytes", 4 << 10)),
-                   help="bytes behind at which a paused stream is resumed")
-    g.add_argument("--max-stream-pause-s", type=float,
-                   default=float(_env("max_stream_pause_s", 60.0)),
-                   help="seconds a stream may stay paused before it is cut and its request "
-                        "aborted (0: no limit)")
+    _number(g, "--max-request-retries", int, 2, "failovers one engine request may use")
+    _number(g, "--health-check-interval", float, 1.0,
+            "seconds between health checks of the instances")
+    _number(g, "--max-num-queued-requests", int, 256,
+            "queued engine requests before 429 (0: no limit)")
+    _number(g, "--max-queued-tokens", int, 0,
+            "queued prompt + max_tokens before 429 (0: no limit)")
+    _number(g, "--max-logprobs", int, 20)
+    _number(g, "--max-stop-strings", int, 32)
+    _number(g, "--max-stop-string-length", int, 512)
+    _number(g, "--grace-period", float, 25.0,
+            "seconds in-flight requests get to finish on shutdown")
+    _number(g, "--max-stream-backlog", int, 64 << 10,
+            "bytes of output a stream may have waiting for a slow client before it is cut "
+            "with an error and its request aborted (0: no limit)")
+    _number(g, "--socket-send-buffer", int, 64 << 10,
+            "SO_SNDBUF of client connections, bytes (0: the kernel's autotuning)")
+    _number(g, "--stream-pause-bytes", int, 16 << 10,
+            "bytes a client may be behind before its stream's engine requests are paused on "
+            "the decode instance (0: never pause)")
+    _number(g, "--stream-resume-bytes", int, 4 << 10,
+            "bytes behind at which a paused stream is resumed")
+    _number(g, "--max-stream-pause-s", float, 60.0,
+            "seconds a stream may stay paused before it is cut and its request aborted (0: no "
+            "limit)")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret the prefill and decode services require")
     g.add_argument("--admin-api-key", action="append", default=None,
@@ -332,29 +325,17 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         ns.model if os.sep not in ns.model else os.path.basename(model_path.rstrip(os.sep)))
     prefill = ns.prefill_url or [_env("prefill_url", "")]
     decode = ns.decode_url or [_env("decode_url", "")]
-    return GatewayConfig(
-        model_path=model_path, served_model_name=name, host=ns.host, port=ns.port,
-        max_model_len=int(ns.max_model_len) if ns.max_model_len else None,
-        prefill_urls=_split_urls(prefill), decode_urls=_split_urls(decode),
-        redis_url=ns.redis_url or None,
-        api_key=split_api_keys(ns.api_key or _env("api_key", None)) or None,
-        admin_api_key=split_api_keys(ns.admin_api_key or _env("admin_api_key", None)) or None,
-        local_prefill_threshold=ns.local_prefill_threshold,
-        request_timeout=ns.request_timeout, rpc_timeout=ns.rpc_timeout,
-        max_body_size=ns.max_body_size, block_size=ns.block_size, log_level=ns.log_level,
-        max_request_retries=ns.max_request_retries,
-        health_check_interval=ns.health_check_interval,
-        max_num_queued_requests=ns.max_num_queued_requests,
-        max_queued_tokens=ns.max_queued_tokens, max_logprobs=ns.max_logprobs,
-        max_stop_strings=ns.max_stop_strings, max_stop_string_length=ns.max_stop_string_length,
-        internal_token=ns.internal_token or None, grace_period=ns.grace_period,
-        max_stream_backlog=ns.max_stream_backlog, socket_send_buffer=ns.socket_send_buffer,
-        stream_pause_bytes=ns.stream_pause_bytes, stream_resume_bytes=ns.stream_resume_bytes,
-        max_stream_pause_s=ns.max_stream_pause_s,
-        tokenizer=_tokenizer_dir(ns.tokenizer),
-        chat_template=read_chat_template(ns.chat_template),
-        allowed_origins=tuple(ns.allowed_origins), allowed_methods=tuple(ns.allowed_methods),
-        allowed_headers=tuple(ns.allowed_headers), allow_credentials=ns.allow_credentials,
-        protect_metrics=ns.protect_metrics, metrics_compat=ns.metrics_compat,
-        enable_auto_tool_choice=ns.enable_auto_tool_choice,
-        tool_call_parser=ns.tool_call_parser)
+    same_names = {name: getattr(ns, name) for name in GatewayConfig.__dataclass_fields__
+                  if hasattr(ns, name)}
+    return GatewayConfig(**{
+        **same_names, "model_path": model_path, "served_model_name": name,
+        "max_model_len": int(ns.max_model_len) if ns.max_model_len else None,
+        "prefill_urls": _split_urls(prefill), "decode_urls": _split_urls(decode),
+        "redis_url": ns.redis_url or None,
+        "api_key": split_api_keys(ns.api_key or _env("api_key", None)) or None,
+        "admin_api_key": split_api_keys(ns.admin_api_key or _env("admin_api_key", None)) or None,
+        "internal_token": ns.internal_token or None, "tokenizer": _tokenizer_dir(ns.tokenizer),
+        "chat_template": read_chat_template(ns.chat_template),
+        "allowed_origins": tuple(ns.allowed_origins),
+        "allowed_methods": tuple(ns.allowed_methods),
+        "allowed_headers": tuple(ns.allowed_headers)})
