@@ -100,25 +100,27 @@ def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.Ar
     port, metrics_port = DEFAULT_PORTS[role]
     d = ServiceConfig(role)
     g = parser.add_argument_group(f"{role} service")
+
+    def number(name: str, kind: type, help: str | None = None, default=None) -> None:
+        """--<name> of type `kind`; default PDSERVE_<NAME>, else `default` or ServiceConfig's."""
+        default = getattr(d, name) if default is None else default
+        g.add_argument("--" + name.replace("_", "-"), type=kind,
+                       default=kind(_env(name, default)), help=help)
+
     g.add_argument("--host", default=_env("host", d.host))
-    g.add_argument("--port", type=int, default=int(_env("port", port)))
+    number("port", int, default=port)
     g.add_argument("--advertise-address", default=_env("advertise_address", ""),
                    help="HOST[:PORT] other hosts reach this instance at (default: the --host "
                         "address; with 0.0.0.0 this host's address on its route to Redis)")
     g.add_argument("--instance-id", default=_env("instance_id", ""))
-    g.add_argument("--metrics-port", type=int, default=int(_env("metrics_port", metrics_port)),
-                   help="Prometheus endpoint port (-1 disables it)")
+    number("metrics_port", int, "Prometheus endpoint port (-1 disables it)", metrics_port)
     g.add_argument("--redis-url", default=_env("redis_url", None),
                    help="the prefix index, e.g. redis://localhost:6379/0 (optional)")
-    g.add_argument("--heartbeat-interval", type=float,
-                   default=float(_env("heartbeat_interval", d.heartbeat_interval)))
-    g.add_argument("--registration-ttl", type=float,
-                   default=float(_env("registration_ttl", d.registration_ttl)))
-    g.add_argument("--grace-period", type=float,
-                   default=float(_env("grace_period", d.grace_period)))
-    g.add_argument("--max-message-bytes", type=int,
-                   default=int(_env("max_message_bytes", d.max_message_bytes)),
-                   help="gRPC max send/receive message size of the server and its channels")
+    number("heartbeat_interval", float)
+    number("registration_ttl", float)
+    number("grace_period", float)
+    number("max_message_bytes", int,
+           "gRPC max send/receive message size of the server and its channels")
     g.add_argument("--internal-token", default=_env("internal_token", None),
                    help="shared secret every PrefillService/DecodeService call must carry as "
                         "`authorization: Bearer <token>` metadata (or PDSERVE_INTERNAL_TOKEN)")
@@ -126,22 +128,16 @@ def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.Ar
                    default=_env("allow_insecure_internal", "") not in ("", "0", "false"),
                    help="serve a non-loopback --host without --internal-token (refused "
                         "otherwise)")
-    g.add_argument("--stall-timeout", type=float,
-                   default=float(_env("stall_timeout", d.stall_timeout)),
-                   help="seconds without a completed engine step, with work queued, before "
-                        "health reports NOT_SERVING (0 disables)")
+    number("stall_timeout", float, "seconds without a completed engine step, with work "
+           "queued, before health reports NOT_SERVING (0 disables)")
     g.add_argument("--test-stall-file", default=_env("test_stall_file", ""),
                    help=argparse.SUPPRESS)
     if role == "prefill":
-        g.add_argument("--kv-pin-ttl", type=float, default=float(_env("kv_pin_ttl", d.kv_pin_ttl)),
-                       help="seconds an unfetched KV handle stays pinned")
-        g.add_argument("--kv-chunk-bytes", type=int,
-                       default=int(_env("kv_chunk_bytes", d.kv_chunk_bytes)))
+        number("kv_pin_ttl", float, "seconds an unfetched KV handle stays pinned")
+        number("kv_chunk_bytes", int)
     else:
-        g.add_argument("--max-waiting-requests", type=int,
-                       default=int(_env("max_waiting_requests", d.max_waiting_requests)))
-        g.add_argument("--kv-transfer-timeout", type=float,
-                       default=float(_env("kv_transfer_timeout", d.kv_transfer_timeout)))
+        number("max_waiting_requests", int)
+        number("kv_transfer_timeout", float)
     return parser
 
 
