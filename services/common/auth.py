@@ -94,14 +94,8 @@ def _refusing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     # NOTE: no deserializer: a refused call's payload is never parsed.
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, response_serializer=handler.response_serializer)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(
-            refuse, response_serializer=handler.response_serializer)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(
-            refuse, response_serializer=handler.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(
-        refuse, response_serializer=handler.response_serializer)
+    make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None else
+            grpc.unary_stream_rpc_method_handler if handler.unary_stream is not None else
+            grpc.stream_unary_rpc_method_handler if handler.stream_unary is not None else
+            grpc.stream_stream_rpc_method_handler)
+    return make(refuse, response_serializer=handler.response_serializer)

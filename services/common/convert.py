@@ -64,10 +64,6 @@ def prompt_logprobs_to_proto(prompt_logprobs: list[TokenLogprobs | None] | None
     return [logprobs_to_proto(lp) for lp in rest]  # type: ignore[arg-type]
 
 
-def logprobs_from_proto(p: pb.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(p.token_id, p.logprob, list(p.top_token_ids), list(p.top_logprobs))
-
-
 def handle_to_proto(h: KVHandle) -> pb.KVTransferParams:
     return pb.KVTransferParams(
         prefill_instance_id=h.prefill_instance_id, prefill_address=h.prefill_address,

@@ -38,7 +38,7 @@ class StopTable:
         ValueError: a stop string is empty.
     """
 
-    __slots__ = ("stop", "include_stop_str_in_output", "max_len", "_goto", "_fail",
+    __slots__ = ("stop", "include_stop_str_in_output", "_goto", "_fail",
                  "_depth", "_match", "_rest")
 
     def __init__(self, stop: Sequence[str] = (), include_stop_str_in_output: bool = False):
@@ -46,7 +46,6 @@ class StopTable:
             raise ValueError("stop strings must not be empty")
         self.stop: tuple[str, ...] = tuple(dict.fromkeys(stop))
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.max_len = max(map(len, self.stop), default=0)
         goto: list[dict[str, int]] = [{}]
         depth = [0]
         terminal: list[str | None] = [None]
