@@ -18,20 +18,16 @@ with RESOURCE_EXHAUSTED before they are buffered."""
 
 GRPC_KEEPALIVE_S = float(os.environ.get("PDSERVE_GRPC_KEEPALIVE_S", "10"))
 """Seconds between HTTP/2 keepalive pings on every internal channel (gateway -> prefill and
-decode, decode -> prefill FetchKV), read once at import from `PDSERVE_GRPC_KEEPALIVE_S`
-(default 10; tests set 1). A peer that stops answering (frozen, partitioned) fails its calls
-with UNAVAILABLE after about GRPC_KEEPALIVE_S + GRPC_KEEPALIVE_TIMEOUT_S instead of hanging
-until the call's deadline."""
+decode, decode -> prefill FetchKV), read once at import (tests set 1). A peer that stops
+answering (frozen, partitioned) fails its calls with UNAVAILABLE after about
+GRPC_KEEPALIVE_S + GRPC_KEEPALIVE_TIMEOUT_S instead of hanging until the call's deadline."""
 GRPC_KEEPALIVE_TIMEOUT_S = min(5.0, 2 * GRPC_KEEPALIVE_S)
-"""Seconds a keepalive ping waits for its ack before the connection is closed (5 s, or twice
-the ping interval when that is shorter)."""
+"""Seconds a keepalive ping waits for its ack before the connection is closed."""
 
 
 def grpc_keepalive_channel_options(keepalive_s: float | None = None) -> list[tuple[str, int]]:
-    """gRPC client (channel) options: a keepalive ping every `keepalive_s` seconds (default
-    GRPC_KEEPALIVE_S), also with no call in flight and no data sent; the connection is closed,
-    failing its calls with UNAVAILABLE, when a ping is not acked within min(5, 2 * keepalive_s)
-    seconds."""
+    """gRPC channel options: a keepalive ping every `keepalive_s` seconds (default
+    GRPC_KEEPALIVE_S), also on an idle connection, timing out after min(5, 2 * keepalive_s)."""
     if keepalive_s is None:
         keepalive_s, timeout_s = GRPC_KEEPALIVE_S, GRPC_KEEPALIVE_TIMEOUT_S
     else:
@@ -52,8 +48,7 @@ within about 2 s."""
 
 
 def grpc_reconnect_options() -> list[tuple[str, int]]:
-    """gRPC channel options: reconnect backoff GRPC_RECONNECT_BACKOFF_MS instead of gRPC's
-    default 1 s .. 120 s."""
+    """gRPC channel options: reconnect backoff GRPC_RECONNECT_BACKOFF_MS."""
     initial_ms, max_ms = GRPC_RECONNECT_BACKOFF_MS
     return [("grpc.initial_reconnect_backoff_ms", initial_ms),
             ("grpc.max_reconnect_backoff_ms", max_ms)]
@@ -70,12 +65,10 @@ SERVER_KEEPALIVE_TIMEOUT_S = min(GRPC_KEEPALIVE_TIMEOUT_S, 2 * SERVER_KEEPALIVE_
 
 
 def grpc_keepalive_server_options() -> list[tuple[str, int]]:
-    """gRPC server options: ping every client every SERVER_KEEPALIVE_S seconds (the
-    connection closes when a ping is not acked within SERVER_KEEPALIVE_TIMEOUT_S), and accept
-    clients' keepalive pings, also on idle connections, as often as every
-    min(1, GRPC_KEEPALIVE_S) seconds (half that, for timer jitter), instead of answering
-    GOAWAY too_many_pings: clients with any interval of 1 s or more are fine, whatever this
-    process's own setting."""
+    """gRPC server options: ping every client every SERVER_KEEPALIVE_S seconds, and accept
+    clients' pings, also on idle connections, as often as every min(1, GRPC_KEEPALIVE_S) s
+    (half that, for timer jitter) instead of answering GOAWAY too_many_pings: clients with
+    any interval of 1 s or more are fine, whatever this process's own setting."""
     min_interval_ms = int(min(1.0, GRPC_KEEPALIVE_S) * 500)
     return [("grpc.keepalive_permit_without_calls", 1),
             # GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS in grpc_types.h
