@@ -171,22 +171,16 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def config_from_args(ns: argparse.Namespace) -> UpConfig:
     """Validate and freeze. Raises ValueError naming the flag."""
     engine_args = EngineArgs.from_cli_args(ns)
-    config = UpConfig(
-        engine_args=dataclasses.replace(engine_args, cpu_cores="", core_share=""),
-        host=ns.host, port=ns.port, api_key=ns.api_key or None,
-        admin_api_key=ns.admin_api_key or None,
-        gateway_flags=_gateway_flags(ns), internal_token=ns.internal_token or None,
-        num_prefill=ns.num_prefill, num_decode=ns.num_decode,
-        cpu_cores=parse_cores(engine_args.cpu_cores),
-        prefill_cpu_cores=_cores(ns.prefill_cpu_cores),
-        decode_cpu_cores=_cores(ns.decode_cpu_cores), cpu_split=ns.cpu_split,
-        cpu_share=ns.cpu_share, core_share_path=engine_args.core_share,
-        prefill_port=ns.prefill_port, decode_port=ns.decode_port,
-        prefill_metrics_port=ns.prefill_metrics_port,
-        decode_metrics_port=ns.decode_metrics_port, redis_port=ns.redis_port,
-        redis_url=ns.redis_url or None, shutdown_timeout=ns.shutdown_timeout,
-        startup_timeout=ns.startup_timeout, log_level=str(ns.log_level).upper(),
-        restart_engines=ns.restart_engines)
+    same_names = {name: getattr(ns, name) for name in UpConfig.__dataclass_fields__
+                  if hasattr(ns, name)}
+    config = UpConfig(**{
+        **same_names, "engine_args": dataclasses.replace(engine_args, cpu_cores="", core_share=""),
+        "api_key": ns.api_key or None, "admin_api_key": ns.admin_api_key or None,
+        "gateway_flags": _gateway_flags(ns), "internal_token": ns.internal_token or None,
+        "cpu_cores": parse_cores(engine_args.cpu_cores),
+        "prefill_cpu_cores": _cores(ns.prefill_cpu_cores),
+        "decode_cpu_cores": _cores(ns.decode_cpu_cores), "core_share_path": engine_args.core_share,
+        "redis_url": ns.redis_url or None, "log_level": str(ns.log_level).upper()})
     for name in ("num_prefill", "num_decode"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
