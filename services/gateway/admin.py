@@ -70,8 +70,7 @@ def _matches(presented: str | None, keys: Sequence[bytes]) -> bool:
 
 
 BROWSER_CHALLENGE = 'Basic realm="pdserve operator", charset="UTF-8"'
-"""The 401 challenge of an operator route to a browser: it cannot add a Bearer header to a
-page it navigates to, so it asks for the admin key as the password (any user name)."""
+"""The 401 challenge of an operator route to a browser (the module docstring says why)."""
 
 
 def unauthorized(headers: Headers | None = None) -> GatewayError:

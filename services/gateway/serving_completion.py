@@ -105,9 +105,6 @@ class CompletionServing(OpenAIServing):
         return await self.respond(request, run, bool(req.stream), out.build_response,
                                   out.stream_chunks, req.include_usage, out.meta)
 
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.token_text(token_id)
-
 
 class _CompletionOutput:
     """The response (or stream chunks) of one completion request."""
@@ -179,7 +176,7 @@ class _CompletionOutput:
         if len(first.prompt_logprobs or ()) != len(prompt) - 1:
             raise GatewayError(f"the engine returned {len(first.prompt_logprobs or ())} prompt "
                                f"logprobs for a {len(prompt)}-token prompt", 503)
-        token = self.serving.token_text(prompt[0])
+        token = self.serving.tokenizer.token_text(prompt[0])
         out["tokens"].append(token)
         out["token_logprobs"].append(None)
         out["top_logprobs"].append(None)
@@ -188,7 +185,7 @@ class _CompletionOutput:
         return self._add_logprobs(out, first.prompt_logprobs or [], first.index)
 
     def _add_logprobs(self, out: dict, logprobs: list[TokenLogprob], index: int) -> dict:
-        token_text = self.serving.token_text
+        token_text = self.serving.tokenizer.token_text
         for lp in logprobs:
             token = token_text(lp.token_id)
             top = {token_text(t): clamp_logprob(v) for t, v in lp.top}
