@@ -156,7 +156,13 @@ async def test_slow_readers_are_paused_then_resumed_or_cut_and_nothing_leaks(sta
                 assert decode.metrics.value("generation_tokens_total") == generated
                 assert state.num_running == 0 and state.num_used_blocks > 0  # KV kept
             raw_later = await asyncio.to_thread(_read_all, later)  # resumed, runs to the end
-            raw_never = await asyncio.to_thread(_read_all, never)  # cut when paused 3 s
+            # Read only once cut (paused 3 s): read earlier, it would be resumed and run to
+            # its end (int8 decodes `later` well within those 3 s).
+            t0 = time.monotonic()
+            while metrics.streams_cut_slow_client._value.get() < 1:
+                assert time.monotonic() - t0 < 30, "the paused reader was never cut"
+                await asyncio.sleep(0.05)
+            raw_never = await asyncio.to_thread(_read_all, never)
         finally:
             never.close()
             later.close()
