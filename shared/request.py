@@ -80,7 +80,10 @@ class Request:
     num_computed_tokens: int = 0
     """Tokens whose KV is written in this instance's cache."""
     num_cached_tokens: int = -1
-    """Prefix-cache hit length, recorded at first admission (-1 until then)."""
+    """Tokens not computed here, recorded at first admission (-1 until then): prefix-cache
+    hits plus `num_external_computed_tokens`."""
+    num_external_computed_tokens: int = 0
+    """Tokens whose KV a transfer wrote (vLLM's name; WAITING_FOR_REMOTE_KVS requests)."""
     num_preemptions: int = 0
     stop_reason: int | None = None
     """The stop token id that finished the request, if any."""

@@ -45,13 +45,13 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
                       if request.HasField("kv_transfer_params") else None)
             async with aclosing(worker.generate(engine_request, handle)) as outputs:
                 async for out in outputs:
-                    num_tokens += len(out.token_ids)
                     chunk = pb.TokenChunk(
-                        request_id=rid, token_ids=out.token_ids,
-                        logprobs=[logprobs_to_proto(lp) for lp in out.logprobs],
+                        request_id=rid, token_ids=out.new_token_ids,
+                        logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
                         finish_reason=FINISH_REASONS[out.finish_reason])
-                    if out.num_cached_tokens is not None:
+                    if num_tokens == 0:  # the first chunk says the prefix-cache hit
                         chunk.num_cached_tokens = out.num_cached_tokens
+                    num_tokens += len(out.new_token_ids)
                     chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
                     await context.write(chunk)
                     if out.finish_reason is not None:

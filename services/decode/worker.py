@@ -31,7 +31,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import grpc
 
@@ -39,22 +38,13 @@ from services.common.errors import ServiceError
 from services.common.state_feed import TransferView
 from services.common.worker import EngineWorker
 from services.decode.kv_fetcher import KVFetcher
+from shared.engine.scheduler_output import EngineCoreOutput
 from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from shared.kv_transfer.handle import KVHandle
-from shared.request import FinishReason, Request, TokenLogprobs
+from shared.request import FinishReason, Request
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class GenerateOutput(NamedTuple):
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]
-    finish_reason: FinishReason | None
-    num_cached_tokens: int | None
-    """On the first output: the prefix-cache hit on this instance, in tokens."""
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """On the first output of a local prefill asking for them: one per prompt token."""
 
 
 @dataclass(slots=True)
@@ -66,8 +56,6 @@ class _Stream:
     aborted: bool = False
     transfer: asyncio.Task | None = None
     """Receive of the handle's KV, cancelled by Abort."""
-    num_hit_tokens: int | None = None
-    """Prefix-cache hit on this instance (set once the scheduler allocated its blocks)."""
     released: bool = False
     """ReleaseKV for `handle` was sent (or is being sent): never send it twice."""
     paused: bool = False
@@ -142,7 +130,7 @@ class DecodeWorker(EngineWorker):
         request.block_hashes = expected  # verified: the KV cache manager hashes no more
 
     async def generate(self, request: Request,
-                       handle: KVHandle | None) -> AsyncIterator[GenerateOutput]:
+                       handle: KVHandle | None) -> AsyncIterator[EngineCoreOutput]:
         """Decode `request` (transferring its prompt's KV first when `handle` is given).
 
         Raises (before the first output):
@@ -170,11 +158,10 @@ class DecodeWorker(EngineWorker):
                 self._streams.pop(request_id, None)
                 self._release(stream)  # a no-op unless the transfer never ran
 
-    async def _decode(self, stream: _Stream) -> AsyncIterator[GenerateOutput]:
+    async def _decode(self, stream: _Stream) -> AsyncIterator[EngineCoreOutput]:
         request, handle = stream.request, stream.handle
         arrival = last = time.monotonic()
         num_generated = 0
-        num_cached = None
         waiting = True
         self._num_waiting += 1  # NOTE: here, with its try: a body never started adds none
         try:
@@ -189,17 +176,14 @@ class DecodeWorker(EngineWorker):
                             and transfer.exception() is not None:
                         raise transfer.exception()  # type: ignore[misc]
                     if stream.aborted and not delta.finished:
-                        yield GenerateOutput([], [], FinishReason.ABORT, None)
+                        yield EngineCoreOutput(request.request_id, [], [], FinishReason.ABORT,
+                                               None, num_cached_tokens=delta.num_cached_tokens)
                         return
-                    first = num_generated == 0
-                    if first:
+                    if num_generated == 0:
                         waiting = False
                         self._num_waiting -= 1
                         if handle is None:
-                            num_cached = max(request.num_cached_tokens, 0)
                             self.metrics.first_token(now - arrival)
-                        else:
-                            num_cached = stream.num_hit_tokens
                     elif not stream.paused_since_token:
                         self.metrics.inter_token(now - last)
                     stream.paused_since_token = stream.paused
@@ -210,9 +194,7 @@ class DecodeWorker(EngineWorker):
                             delta.finish_reason.value,
                             request.num_prompt_tokens if handle is None else 0,
                             num_generated, now - arrival)
-                    yield GenerateOutput(delta.new_token_ids, delta.new_logprobs,
-                                         delta.finish_reason, num_cached if first else None,
-                                         delta.prompt_logprobs)
+                    yield delta
         finally:
             if waiting:
                 self._num_waiting -= 1
@@ -249,14 +231,13 @@ class DecodeWorker(EngineWorker):
         return transfer
 
     async def _receive(self, stream: _Stream, handle: KVHandle,
-                       allocated: asyncio.Future) -> int:
+                       allocated: asyncio.Future) -> None:
         """Fetch the missing blocks into those the scheduler allocated, tell the connector,
-        and wait for the scheduler to take the KV in. Returns the prefix-hit tokens."""
+        and wait for the scheduler to take the KV in."""
         request_id = stream.request.request_id
         ok = False
         try:
             block_ids, num_hit_tokens = await allocated
-            stream.num_hit_tokens = num_hit_tokens
             first_missing = num_hit_tokens // self.block_size
             missing = list(range(first_missing, len(handle.block_ids)))
             try:
@@ -274,7 +255,6 @@ class DecodeWorker(EngineWorker):
         await taken
         logger.debug("[%s] KV in place: %d blocks reused, %d fetched from %s", request_id,
                      first_missing, len(missing), handle.prefill_address)
-        return num_hit_tokens
 
     async def _wait_for_shared_blocks(self, handle: KVHandle) -> None:
         """Wait until no transfer in flight here is fetching a prefix block of `handle`.

@@ -36,23 +36,23 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
             if not rid:
                 raise ValueError("request_id must not be empty")
             params = sampling_params_from_proto(request.sampling_params)
-            result = await worker.prefill(rid, list(request.prompt_token_ids), params,
-                                          request.cache_salt or None)
+            out = await worker.prefill(rid, list(request.prompt_token_ids), params,
+                                       request.cache_salt or None)
         except Exception as e:
             await abort_with(context, e, rid, "Prefill")
+        first_token_id = out.new_token_ids[0]
         response = pb.PrefillResponse(
-            request_id=rid, first_token_id=result.first_token_id,
-            num_cached_tokens=result.num_cached_tokens,
-            finish_reason=FINISH_REASONS[result.finish_reason])
-        if result.first_logprobs is not None:
-            response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
-        if result.handle is not None:
-            response.kv_transfer_params.CopyFrom(handle_to_proto(result.handle))
-        response.prompt_logprobs.extend(prompt_logprobs_to_proto(result.prompt_logprobs))
+            request_id=rid, first_token_id=first_token_id,
+            num_cached_tokens=out.num_cached_tokens,
+            finish_reason=FINISH_REASONS[out.finish_reason])
+        if out.new_logprobs:
+            response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
+        if out.kv_transfer_params is not None:
+            response.kv_transfer_params.CopyFrom(handle_to_proto(out.kv_transfer_params))
+        response.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
         logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", rid,
-                    len(request.prompt_token_ids), result.num_cached_tokens,
-                    result.first_token_id,
-                    f", finished: {result.finish_reason.value}" if result.finish_reason else "")
+                    len(request.prompt_token_ids), out.num_cached_tokens, first_token_id,
+                    f", finished: {out.finish_reason.value}" if out.finish_reason else "")
         return response
 
     async def FetchKV(self, request: pb.FetchKVRequest,

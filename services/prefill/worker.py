@@ -19,32 +19,21 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 
 from services.common.errors import ServiceError
 from services.common.state_feed import TransferView
 from services.common.worker import EngineWorker
+from shared.engine.scheduler_output import EngineCoreOutput
 from shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
 from shared.kv_transfer.handle import KVHandle
-from shared.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from shared.request import FinishReason, Request, RequestStatus
 from shared.sampling_params import SamplingParams
 from shared.stop_rules import at_length_limit
 
 logger = logging.getLogger(__name__)
-
-
-class PrefillResult(NamedTuple):
-    request_id: str
-    first_token_id: int
-    first_logprobs: TokenLogprobs | None
-    finish_reason: FinishReason | None
-    """Set when the first token already ends the request (no handle then: blocks freed)."""
-    num_cached_tokens: int
-    handle: KVHandle | None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    """With sampling_params.prompt_logprobs: one per prompt token, the first None."""
 
 
 def _same(chunk: KVChunkData) -> KVChunkData:
@@ -78,8 +67,13 @@ class PrefillWorker(EngineWorker):
     # -- Prefill -----------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None) -> PrefillResult:
+                      params: SamplingParams, cache_salt: str | None) -> EngineCoreOutput:
         """Compute the prompt's KV (what the prefix cache lacks), sample the first token.
+
+        Returns:
+            The engine's output with the first token, the client's finish reason (None
+            when the request goes on in a decode) and, when it goes on, the `KVHandle` of
+            the blocks held for the decode as `kv_transfer_params`.
 
         Raises:
             ValueError: a bad prompt (the engine's message).
@@ -106,7 +100,7 @@ class PrefillWorker(EngineWorker):
                 last = None
                 async for delta in self.engine.generate(request):
                     last = delta
-                held = request.kv_transfer_params  # the connector's, set as it finished
+                held = last.kv_transfer_params if last is not None else None
                 if last is None or last.finish_reason == FinishReason.ABORT or \
                         (held is not None and not self.kv_connector.is_open(request_id)):
                     raise ServiceError(grpc.StatusCode.ABORTED,
@@ -121,10 +115,7 @@ class PrefillWorker(EngineWorker):
                 self.metrics.request_finished(
                     "transferred" if finish is None else finish.value,
                     request.num_prompt_tokens, 1, first_token_time - arrival)
-                return PrefillResult(request_id, last.new_token_ids[0],
-                                     last.new_logprobs[0] if last.new_logprobs else None,
-                                     finish, max(request.num_cached_tokens, 0), handle,
-                                     last.prompt_logprobs)
+                return last._replace(finish_reason=finish, kv_transfer_params=handle)
             except BaseException:
                 # NOTE: generate() has aborted the engine request (awaited): it is either
                 # gone or finished and held for a transfer nobody will fetch now.

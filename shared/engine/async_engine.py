@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from shared.engine.engine_core import EngineCore
-from shared.engine.scheduler_output import RequestOutputDelta
+from shared.engine.scheduler_output import EngineCoreOutput
 from shared.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutputDelta]:
+    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
         """Add `request` and yield its deltas until it finishes.
 
         Raises ValueError (bad input) before yielding anything, EngineStepError when a step
@@ -113,7 +113,7 @@ class AsyncEngine:
                 submitted = False  # refused: nothing was added
                 raise
             while not finished:
-                delta: RequestOutputDelta | EngineStepError = await q.get()
+                delta: EngineCoreOutput | EngineStepError = await q.get()
                 if isinstance(delta, EngineStepError):
                     finished = True  # the engine already dropped the request
                     raise delta
@@ -276,7 +276,7 @@ class AsyncEngine:
                 if loop is not None:
                     loop.call_soon_threadsafe(_set_result, fut, result)
 
-    def _dispatch(self, deltas: list[RequestOutputDelta]) -> None:
+    def _dispatch(self, deltas: list[EngineCoreOutput]) -> None:
         # NOTE: one call_soon_threadsafe per event loop per step, not one per request: each
         # call wakes the loop through its self-pipe, and a batch of 64 decodes would wake it
         # 64 times a step.
@@ -291,14 +291,14 @@ class AsyncEngine:
 
     def _add_op(self, request: Request) -> None:
         if request.request_id in self.aborting:  # aborted before it was added: end it here
-            self._dispatch([RequestOutputDelta(request.request_id, [], [], FinishReason.ABORT,
+            self._dispatch([EngineCoreOutput(request.request_id, [], [], FinishReason.ABORT,
                                                None)])
             return
         self.engine_core.add_request(request)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
         ids = [r.request_id for r in self.engine_core.abort_requests(request_ids)]
-        self._dispatch([RequestOutputDelta(i, [], [], FinishReason.ABORT, None) for i in ids])
+        self._dispatch([EngineCoreOutput(i, [], [], FinishReason.ABORT, None) for i in ids])
         return ids
 
     def _fail_all(self, error: Exception) -> None:
@@ -315,7 +315,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_deliver, batch)
 
 
-def _deliver(batch: list[tuple[asyncio.Queue, RequestOutputDelta]]) -> None:
+def _deliver(batch: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:
     for q, delta in batch:
         q.put_nowait(delta)
 

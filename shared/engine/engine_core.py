@@ -185,7 +185,7 @@ class EngineCore:
         return threads
 
     def step(self) -> list:
-        """One scheduling + forward + sampling step; returns the RequestOutputDeltas."""
+        """One scheduling + forward + sampling step; returns the EngineCoreOutputs."""
         scheduler_output = self.scheduler.schedule()
         if self.drafter is not None and scheduler_output.preempted_request_ids:
             self.drafter.remove_requests(scheduler_output.preempted_request_ids)

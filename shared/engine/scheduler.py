@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from shared.config import SchedulerConfig
 from shared.engine.scheduler_kv_transfer import KVTransferScheduling
 from shared.engine.scheduler_output import (
-    RequestOutputDelta,
+    EngineCoreOutput,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
@@ -255,7 +255,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, tuple],
-    ) -> list[RequestOutputDelta]:
+    ) -> list[EngineCoreOutput]:
         """Append each sampled token, apply the stop rules, finish what stopped.
 
         Args:
@@ -294,10 +294,13 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 request.stop_reason = stop_reason
                 self._finish(request)
                 any_finished = True
-            deltas.append(RequestOutputDelta(
+            deltas.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=new_token_ids,
                 new_logprobs=new_logprobs, finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason))
+                stop_reason=request.stop_reason,
+                num_cached_tokens=max(
+                    request.num_cached_tokens - request.num_external_computed_tokens, 0),
+                kv_transfer_params=request.kv_transfer_params if status is not None else None))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas

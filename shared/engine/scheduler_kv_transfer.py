@@ -60,6 +60,7 @@ class KVTransferScheduling:
                              delay_cache_blocks=True) is None:
             return False
         params["num_computed_tokens"] = num_computed
+        request.num_external_computed_tokens = num_computed - num_hit_tokens
         self.waiting_for_remote_kvs[request.request_id] = request
         self.kv_connector.update_state_after_alloc(
             request, kv.get_block_ids(request.request_id), num_hit_tokens)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from shared.request import FinishReason, Request, TokenLogprobs
+
+if TYPE_CHECKING:
+    from shared.kv_transfer.handle import KVHandle
 
 
 class ScheduledRequest(NamedTuple):
@@ -38,8 +41,10 @@ class SchedulerOutput(NamedTuple):
     may drop any per-request state it keeps for them."""
 
 
-class RequestOutputDelta(NamedTuple):
-    """What one step added to one request."""
+class EngineCoreOutput(NamedTuple):
+    """What one step added to one request: the one output type from the engine core to
+    its callers (the offline `LLM`, `AsyncEngine`, the prefill and decode services), as
+    vLLM v1's `EngineCoreOutput`."""
 
     request_id: str
     new_token_ids: list[int]
@@ -52,6 +57,13 @@ class RequestOutputDelta(NamedTuple):
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """On the first output of a request asking for prompt logprobs: one per prompt token,
     the first None (see shared/engine/prompt_logprobs.py)."""
+    num_cached_tokens: int = 0
+    """Tokens found in this instance's prefix cache (a received request: those it did not
+    fetch), as of its first admission."""
+    kv_transfer_params: dict[str, Any] | KVHandle | None = None
+    """On a prefill's last output: the KV connector's params naming the blocks it holds
+    for the decode side (`KVConnector.request_finished`); the prefill service replaces them
+    with the `KVHandle` it answers with. None otherwise."""
 
     @property
     def finished(self) -> bool:
