@@ -174,6 +174,11 @@ class EngineWorker:
         """The state, from the engine thread between steps; while a step runs longer than
         STATE_WAIT_S (or the thread is stuck), from its O(1) counters read here instead,
         with the invariants reported as not checked (GetState must answer however busy)."""
+        # NOTE: the pins are read as the op is queued, not when it answers: a pin not counted
+        # then has its free queued ahead of the op (KVConnector.sending), so the op's used
+        # blocks include no unpinned transfer's. Read after, a ReleaseKV answered meanwhile
+        # showed 0 pinned beside its still used blocks.
+        num_pinned_blocks = self.num_pinned_blocks()
         try:
             stats, (error, orphans) = await asyncio.wait_for(self.engine.call(
                 lambda e: (stats_op(e),
@@ -181,11 +186,12 @@ class EngineWorker:
                 STATE_WAIT_S[check_invariants])
         except TimeoutError:
             stats, orphans = stats_op(self.engine_core), []
+            num_pinned_blocks = self.num_pinned_blocks()
             error = (f"not checked: the engine has been in a step for "
                      f"{self.engine.seconds_in_step():.1f} s") if check_invariants else ""
         if orphans and not error:
             error = f"blocks held by {len(orphans)} requests nothing owns: {orphans[:8]}"
-        return self.make_state(stats, self.num_pinned_blocks(), error)
+        return self.make_state(stats, num_pinned_blocks, error)
 
     def make_state(self, stats: EngineStats, num_pinned_blocks: int,
                    error: str = "") -> EngineState:
