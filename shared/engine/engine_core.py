@@ -2,11 +2,8 @@
 
 One class serves both roles and the offline `LLM`. Its `kv_connector` holds a finished
 prefill's blocks for the decode instance that fetches them (only requests that ask for it:
-see shared/kv_transfer/connector.py). nano-vllm's `step()` in spirit:
-
-    scheduler_output = scheduler.schedule()
-    sampled = model_runner.execute_model(scheduler_output)
-    deltas = scheduler.update_from_output(scheduler_output, sampled)
+see shared/kv_transfer/connector.py). `step()` is nano-vllm's: schedule, execute_model,
+update_from_output (the loop drawn in scheduler.py's docstring).
 """
 
 from __future__ import annotations
@@ -127,10 +124,8 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued.
-
-        NOTE: a guided request's grammar is compiled off this thread; a service awaits
-        `structured_output.wait_for_grammar` first, the offline engine blocks here.
-        """
+        (A guided request's grammar: see structured_output/manager.py; the offline engine
+        blocks here until it is compiled.)"""
         self.validate_request(request)
         self.structured_output.init_request(request)
         self.scheduler.add_request(request)
@@ -138,7 +133,6 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Abort now; their blocks go back to the pool at once."""
         aborted = self.scheduler.abort_requests(request_ids)
-        self.model_runner.remove_requests([r.request_id for r in aborted])
         if self.drafter is not None:
             self.drafter.remove_requests([r.request_id for r in aborted])
         return aborted
@@ -165,9 +159,7 @@ class EngineCore:
         """Before a step: take this engine's share of the host's cores (core share only) and
         size torch's thread pool to it. Returns the thread count; 0 means another engine of
         the host has a shorter prefill to do and this one should wait (see core_share.py).
-
-        NOTE: call it on the thread that steps: OpenMP's thread count is per calling thread.
-        """
+        Call it on the thread that steps (`bind_stepping_thread`)."""
         if self.core_share is None:
             return torch.get_num_threads()
         urgency, has_decodes = self.scheduler.prefill_urgency()
@@ -206,10 +198,8 @@ class EngineCore:
                            self.scheduler.scheduler_config.max_model_len)
         deltas = _attach_prompt_logprobs(scheduler_output, deltas)
         finished = [d.request_id for d in deltas if d.finished]
-        if finished:
-            self.model_runner.remove_requests(finished)
-            if self.drafter is not None:
-                self.drafter.remove_requests(finished)
+        if finished and self.drafter is not None:
+            self.drafter.remove_requests(finished)
         return deltas
 
 

@@ -172,7 +172,3 @@ class ModelRunner:
             return group_draft_samples(draft_rows, out.sampled_token_ids, out.logprobs)
         return {req.request_id: (tok, lp) for req, tok, lp in
                 zip(inputs.sampled_requests, out.sampled_token_ids, out.logprobs)}
-
-    def remove_requests(self, request_ids: list[str]) -> None:
-        """Drop per-request sampler state (seeded generators) of finished requests."""
-        self.sampler.remove_requests(request_ids)

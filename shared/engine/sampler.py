@@ -22,7 +22,6 @@ split prefill -> decode, a failover that continues from the tokens so far).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -62,8 +61,7 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row. Keeps no per-request state: a seeded row's random numbers
-    are keyed by (seed, output position), see the module docstring.
+    """Samples one token per row; keeps no per-request state (see the module docstring).
 
     Args:
         seed: seeds the generator shared by unseeded rows (None: nondeterministic).
@@ -78,9 +76,6 @@ class Sampler:
         self.num_top_p_candidates = num_top_p_candidates
         self._default_generators: dict[torch.device, torch.Generator] = {}
         self._keyed_generators: dict[torch.device, torch.Generator] = {}
-
-    def remove_requests(self, request_ids: Iterable[str]) -> None:
-        """Nothing to drop: no per-request state is kept (kept for the engine's calls)."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row.
@@ -177,13 +172,10 @@ class Sampler:
 
     def _exponentials(self, rows: list[int], ids: torch.Tensor | None, shape: torch.Size,
                       md: SamplingMetadata, device: torch.device) -> torch.Tensor:
-        """[num_rows, width] float32 Exponential(1) draws, as -log(U) with U ~ U[0, 1).
-
-        Unseeded rows draw `width` values from the shared generator. A seeded row draws one
-        value per vocabulary token from a generator seeded with sample_key(seed, its output
-        position) and takes those of its columns.
-        (-log U is ~6x faster on CPU than `Tensor.exponential_`, and never 0: no 0/0.)
-        """
+        """[num_rows, width] float32 Exponential(1) draws, as -log(U) with U ~ U[0, 1)
+        (~6x faster on CPU than `Tensor.exponential_`, and never 0: no 0/0). Unseeded rows
+        draw from the shared generator; a seeded row takes its columns' entries of its
+        per-vocabulary draw (module docstring)."""
         uniform = torch.empty(shape, dtype=torch.float32, device=device)
         seeded = [(i, row) for i, row in enumerate(rows) if row in md.seeds]
         if len(seeded) < len(rows):
