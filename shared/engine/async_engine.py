@@ -69,8 +69,6 @@ class AsyncEngine:
         """Test hook: called just before each step; what it raises fails the step."""
         self.consecutive_step_failures = 0
         """Steps in a row that raised (0 after a step that did not)."""
-        self.num_step_failures = 0
-        """Steps that raised since start."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -221,7 +219,6 @@ class AsyncEngine:
                 deltas = self.engine_core.step()
             except Exception as e:  # not bad input: fail the requests over, keep serving
                 self.consecutive_step_failures += 1
-                self.num_step_failures += 1
                 logger.exception("engine step failed (%d in a row); failing its requests",
                                  self.consecutive_step_failures)
                 self._fail_all(e)
@@ -231,7 +228,7 @@ class AsyncEngine:
             self.consecutive_step_failures = 0
             self.num_steps += 1
             self.last_step_time = time.monotonic()
-            self._dispatch(deltas)
+            self._dispatch([(delta.request_id, delta) for delta in deltas])
             if not self.engine_core.last_step_scheduled:
                 # Nothing could run (e.g. transfers waiting for blocks that receives in
                 # flight hold): wait for an op (a receive finishing) instead of spinning.
@@ -276,29 +273,29 @@ class AsyncEngine:
                 if loop is not None:
                     loop.call_soon_threadsafe(_set_result, fut, result)
 
-    def _dispatch(self, deltas: list[EngineCoreOutput]) -> None:
+    def _dispatch(self, items: list[tuple[str, EngineCoreOutput | EngineStepError]]) -> None:
         # NOTE: one call_soon_threadsafe per event loop per step, not one per request: each
         # call wakes the loop through its self-pipe, and a batch of 64 decodes would wake it
         # 64 times a step.
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
+        for request_id, item in items:
+            stream = self._streams.get(request_id)
             if stream is not None:
                 loop, q = stream
-                batches.setdefault(loop, []).append((q, delta))
+                batches.setdefault(loop, []).append((q, item))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver, batch)
 
     def _add_op(self, request: Request) -> None:
         if request.request_id in self.aborting:  # aborted before it was added: end it here
-            self._dispatch([EngineCoreOutput(request.request_id, [], [], FinishReason.ABORT,
-                                               None)])
+            self._dispatch([(request.request_id, EngineCoreOutput(
+                request.request_id, [], [], FinishReason.ABORT, None))])
             return
         self.engine_core.add_request(request)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
         ids = [r.request_id for r in self.engine_core.abort_requests(request_ids)]
-        self._dispatch([EngineCoreOutput(i, [], [], FinishReason.ABORT, None) for i in ids])
+        self._dispatch([(i, EngineCoreOutput(i, [], [], FinishReason.ABORT, None)) for i in ids])
         return ids
 
     def _fail_all(self, error: Exception) -> None:
@@ -306,18 +303,12 @@ class AsyncEngine:
         ids = [r.request_id for r in
                self.engine_core.abort_requests(list(self.engine_core.scheduler.requests))]
         failure = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id in ids:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                batches.setdefault(stream[0], []).append((stream[1], failure))
-        for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_deliver, batch)
+        self._dispatch([(request_id, failure) for request_id in ids])
 
 
-def _deliver(batch: list[tuple[asyncio.Queue, EngineCoreOutput]]) -> None:
-    for q, delta in batch:
-        q.put_nowait(delta)
+def _deliver(batch: list[tuple[asyncio.Queue, EngineCoreOutput | EngineStepError]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 def _set_result(fut: asyncio.Future, result: Any) -> None:
