@@ -24,16 +24,14 @@ instance's long prompts, as one shortest-job-first queue would order them; the s
 aging bound (`max_wait_s`) still applies, since an overdue prompt publishes urgency 0.
 
 Prefill before decode, with a bounded stall (opt-in: `max_decode_stall_s` > 0). An
-engine with only decodes to run (urgency
-NO_PREFILL) may yield too: it then waits while any busy engine has a prefill, until its
-streams have waited `max_decode_stall_s` (EngineCore); then it publishes urgency 0, the
-prefill engine waits at its next step boundary and the decode engine takes one step on
-every core. A unified engine does the same in effect: vLLM's chunked-prefill step gives
-the prefill chunks all of its token budget beyond one token per decode, so a burst's
-prompts get nearly all the compute while decodes advance one token per step. Split 1:1
-instead (the default), a burst's long prompts run at half speed and start decoding later;
-on mixed64 the bound of 0.5 s cut TTFT p90 to 0.84x but cost 8% of the throughput, 23% of
-TPOT p50 and 3x ITL p99, so it is off unless asked for.
+engine with only decodes to run (urgency NO_PREFILL) may yield too: it then waits while
+any busy engine has a prefill, until its streams have waited `max_decode_stall_s`
+(EngineCore); then it publishes urgency 0, the prefill engine waits at its next step
+boundary and the decode engine takes one step on every core. (vLLM's unified
+chunked-prefill step does the same in effect: prompts get all the token budget beyond one
+token per decode.) Split 1:1 instead (the default), a burst's long prompts run at half
+speed; on mixed64 the bound of 0.5 s cut TTFT p90 to 0.84x but cost 8% of the
+throughput, 23% of TPOT p50 and 3x ITL p99, so it is off unless asked for.
 
 The board is a file of `MAX_SLOTS` slots of two int64 (mmap, normally on /dev/shm). An
 engine claims a free slot by taking a POSIX record lock on its 16 bytes (`fcntl.lockf`),

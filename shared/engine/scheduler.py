@@ -29,16 +29,13 @@ from shared.engine.scheduler_output import (
     SchedulerStats,
 )
 from shared.engine.scheduler_pause import RequestPausing
-from shared.engine.scheduling_policy import (
-    admission_order,
-    check_stop,
-    prefill_urgency,
-)
+from shared.engine.scheduling_policy import admission_order, prefill_urgency
 from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from shared.engine.spec_decode.verification import SpecDecodingStats
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.kv_transfer.connector import KVConnector
 from shared.request import Request, RequestStatus
+from shared.stop_rules import check_stop
 
 __all__ = ["Scheduler", "check_stop"]
 
@@ -158,17 +155,17 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         for a prefill, prompt + output after a preemption), as far as the token budget
         `max_num_batched_tokens` allows. Running requests go first, in admission order;
         then waiting ones in `_admission_order()` (shortest first by default), while fewer
-        than `max_num_seqs` run. When a running
-        request needs a block and none is free, the newest running request is preempted
-        (recompute) until it fits; no waiting request is admitted in such a step.
+        than `max_num_seqs` run. When a running request needs a block and none is free,
+        the newest running request is preempted (recompute) until it fits; no waiting
+        request is admitted in such a step.
 
-        NOTE: blocks are cached when allocated, so a request admitted in the same step as
-        another with the same prefix already hits the blocks that one computes this step
-        (its `num_cached_tokens` counts them; see `KVCacheManager.allocate_slots`).
+        NOTE: blocks are cached when allocated (`KVCacheManager.allocate_slots`), so a
+        request admitted in the same step as another with the same prefix already hits
+        (and counts in `num_cached_tokens`) the blocks that one computes this step.
 
-        NOTE: `request.num_computed_tokens` advances here, by `num_scheduled_tokens`, the
-        moment a request is scheduled: the KV of those tokens is written by this step's
-        forward. `update_from_output()` only appends sampled tokens.
+        NOTE: `request.num_computed_tokens` advances here, by `num_scheduled_tokens`: the
+        KV of those tokens is written by this step's forward. `update_from_output()` only
+        appends sampled tokens.
         """
         config = self.scheduler_config
         kv = self.kv_cache_manager
@@ -282,7 +279,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             if scheduled.spec_token_ids:
                 new_token_ids, new_logprobs, status, stop_reason = append_draft_samples(
                     request, scheduled.spec_token_ids, entry, self.kv_cache_manager,
-                    self.spec_decoding_stats, max_model_len, check_stop)
+                    self.spec_decoding_stats, max_model_len)
             else:
                 token_id, logprobs = entry
                 request.append_output_token(token_id, logprobs)

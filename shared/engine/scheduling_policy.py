@@ -1,9 +1,9 @@
-"""Scheduling policy, the scheduler's pure parts: who may enter, in what order, when to stop.
+"""Scheduling policy, the scheduler's pure parts: who may enter and in what order (when to
+stop: shared/stop_rules.py).
 
     validate_request(request, ...)       EngineCore.add_request's checks (ValueError naming
                                          the field)
     admission_order(waiting, config)     the order schedule() tries to admit waiting requests
-    check_stop(request, max_model_len)   whether a request is done (from shared/stop_rules.py)
     prefill_urgency(waiting, running, config)   the next prefill's size, for the core share
 
 None of these touch the KV cache or the scheduler's queues; `Scheduler` and `EngineCore`
@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from shared.config import SchedulerConfig
 from shared.engine.core_share import NO_PREFILL
 from shared.request import Request, RequestStatus
-from shared.stop_rules import check_stop as check_stop  # re-exported: the scheduler's rule
 
 
 def validate_request(request: Request, vocab_size: int, max_model_len: int, block_size: int,

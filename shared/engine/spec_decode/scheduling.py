@@ -16,7 +16,7 @@ so a rejected draft never reaches the prefix cache.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from shared.engine.spec_decode.config import SpeculativeConfig
@@ -29,6 +29,7 @@ from shared.engine.spec_decode.verification import (
 )
 from shared.kv_cache.kv_cache_manager import KVCacheManager
 from shared.request import Request, RequestStatus
+from shared.stop_rules import check_stop
 
 
 def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int) -> int:
@@ -43,7 +44,7 @@ def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int) ->
 
 def append_draft_samples(request: Request, drafts: Sequence[int], entry: tuple,
                          kv_cache_manager: KVCacheManager, stats: SpecDecodingStats,
-                         max_model_len: int, check_stop: Callable
+                         max_model_len: int
                          ) -> tuple[list[int], list, RequestStatus | None, int | None]:
     """Keep the accepted drafts and the token after them, one at a time under the stop
     rules (nothing past a stop is kept), roll the rejected drafts' KV back.
