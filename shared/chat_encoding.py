@@ -11,9 +11,8 @@ place of the message contents, so it knows which characters came from the templa
 Special tokens are recognised only inside template text. Every TEXT piece (template text
 and contents merged, as the tokenizer itself splits at special tokens first) is encoded with
 special-token matching off, so for ordinary contents the ids equal
-`tokenizer.apply_chat_template(..., tokenize=True)` token for token.
-
-The offline API should call this same function so both answer identically.
+`tokenizer.apply_chat_template(..., tokenize=True)` token for token. The gateway and the
+offline `LLM` both call it, so both answer identically.
 """
 
 from __future__ import annotations
