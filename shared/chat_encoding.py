@@ -12,7 +12,7 @@ Special tokens are recognised only inside template text. Every TEXT piece (templ
 and contents merged, as the tokenizer itself splits at special tokens first) is encoded with
 special-token matching off, so for ordinary contents the ids equal
 `tokenizer.apply_chat_template(..., tokenize=True)` token for token. The gateway and the
-offline `LLM` both call it, so both answer identically.
+offline `LLM` (shared/tokenizer.apply_chat_template) both call it, so both answer identically.
 """
 
 from __future__ import annotations

@@ -9,12 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.chat_encoding import encode_chat
 from shared.engine.engine_core import EngineCore
 from shared.engine_args import EngineArgs
 from shared.request import Request, TokenLogprobs
 from shared.sampling_params import SamplingParams
-from shared.tokenizer import get_tokenizer
+from shared.tokenizer import apply_chat_template, get_tokenizer
 
 
 @dataclass(slots=True)
@@ -125,10 +124,9 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the chat template (with the generation prompt) and generate. Message
-        contents are plain text, never control tokens (`encode_chat`, as the gateway)."""
+        """Apply the chat template (with the generation prompt) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": encode_chat(self.tokenizer, conv,
-                                                    add_generation_prompt=add_generation_prompt)}
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, conv,
+                                                            add_generation_prompt)}
                    for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)

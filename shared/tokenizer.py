@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
+from shared.chat_encoding import encode_chat
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -19,3 +21,13 @@ def get_tokenizer(model_path: str):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(model_path, local_files_only=True)
+
+
+def apply_chat_template(tokenizer, messages: list[dict],
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` rendered with the chat template.
+
+    Message contents are ordinary text: chat-marker strings typed by a user are never
+    control tokens (the same encoding as the gateway's, so answers match token for token).
+    """
+    return encode_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
