@@ -91,7 +91,7 @@ class Request:
     """With `sampling_params.prompt_logprobs`: one entry per prompt token, entry 0 None,
     filled by the model runner as the prompt is computed (shared/engine/prompt_logprobs.py)."""
     prompt_logprobs_sent: bool = False
-    """The engine core handed `prompt_logprobs` out (with the first output)."""
+    """The scheduler handed `prompt_logprobs` out (with the first output)."""
     structured_output: Any = None
     """A guided request's grammar matcher (shared/structured_output/request.py), set when
     the engine adds it; None for an unguided request."""

@@ -196,7 +196,6 @@ class EngineCore:
             assert self.speculative_config is not None
             propose_drafts(self.drafter, self.speculative_config, self.scheduler.running,
                            self.scheduler.scheduler_config.max_model_len)
-        deltas = _attach_prompt_logprobs(scheduler_output, deltas)
         finished = [d.request_id for d in deltas if d.finished]
         if finished and self.drafter is not None:
             self.drafter.remove_requests(finished)
@@ -212,19 +211,3 @@ def num_prompt_tokens_of(scheduler_output, request_ids: Container[str]) -> int:
             total += max(0, end - s.start_pos)
     return total
 
-
-def _attach_prompt_logprobs(scheduler_output, deltas: list) -> list:
-    """Hand each request's prompt logprobs out once, with its first output after they are
-    complete (the step that finished its prompt)."""
-    pending = {s.request.request_id: s.request for s in scheduler_output.scheduled
-               if s.request.prompt_logprobs is not None and not s.request.prompt_logprobs_sent}
-    if not pending:
-        return deltas
-    out = []
-    for delta in deltas:
-        request = pending.get(delta.request_id)
-        if request is not None and delta.new_token_ids:
-            request.prompt_logprobs_sent = True
-            delta = delta._replace(prompt_logprobs=list(request.prompt_logprobs))
-        out.append(delta)
-    return out

@@ -12,7 +12,7 @@ values; after, it computes none.
 
 NOTE: prompt positions served from the prefix cache have no logits, so a request asking for
 prompt logprobs skips the prefix-cache lookup and computes its whole prompt (as vLLM v1
-does); the blocks it computes are still cached for other requests. The engine core hands the
+does); the blocks it computes are still cached for other requests. The scheduler hands the
 list out once, with the request's first output (`EngineCoreOutput.prompt_logprobs`).
 """
 

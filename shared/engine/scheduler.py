@@ -243,10 +243,11 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             scheduled = decodes + [s for s in scheduled
                                    if not (s.num_scheduled_tokens == 1 and s.sample)]
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
+        paused_ids, self._paused_preempted_ids = self._paused_preempted_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
             total_num_scheduled_tokens=config.max_num_batched_tokens - token_budget,
-            preempted_request_ids=preempted_ids + self._take_paused_preempted_ids(),
+            preempted_request_ids=preempted_ids + paused_ids,
             finished_request_ids=finished_ids,
         )
 
@@ -291,10 +292,14 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 request.stop_reason = stop_reason
                 self._finish(request)
                 any_finished = True
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+                request.prompt_logprobs_sent = True  # complete: handed out once, now
+                prompt_logprobs = list(request.prompt_logprobs)
             deltas.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=new_token_ids,
                 new_logprobs=new_logprobs, finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
+                stop_reason=request.stop_reason, prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=max(
                     request.num_cached_tokens - request.num_external_computed_tokens, 0),
                 kv_transfer_params=request.kv_transfer_params if status is not None else None))

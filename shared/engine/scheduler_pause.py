@@ -81,7 +81,3 @@ class RequestPausing:
         self._paused_preempted_ids.append(request.request_id)
         self.paused[request.request_id] = self.paused.pop(request.request_id)
         return True
-
-    def _take_paused_preempted_ids(self) -> list[str]:
-        ids, self._paused_preempted_ids = self._paused_preempted_ids, []
-        return ids

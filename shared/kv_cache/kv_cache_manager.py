@@ -233,8 +233,7 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's physical block ids in logical order (a copy; [] if it holds none)."""
-        block_ids = self._req_to_block_ids.get(request_id)
-        return list(block_ids) if block_ids is not None else []
+        return list(self._req_to_block_ids.get(request_id, ()))
 
     @property
     def usage(self) -> float:
