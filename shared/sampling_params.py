@@ -112,11 +112,6 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
-    @property
-    def effective_top_k(self) -> int:
-        """top_k with the disabled values (0, -1) mapped to 0."""
-        return self.top_k if self.top_k > 0 else 0
-
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):

@@ -28,6 +28,7 @@ from shared.engine.spec_decode.verification import (
 from shared.models.llama import LlamaArgs
 from shared.models.loader import load_model
 from shared.request import TokenLogprobs
+from shared.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ class PreparedInputs(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 parallel_config: ParallelConfig, structured_output=None) -> None:
-        """`structured_output`: a StructuredOutputManager, masking guided rows' logits."""
+                 parallel_config: ParallelConfig,
+                 structured_output: StructuredOutputManager) -> None:
+        """`structured_output` masks guided rows' logits and advances their grammars."""
         self.structured_output = structured_output
         self.device = torch.device(parallel_config.device)
         self.dtype = _DTYPES[model_config.dtype]
@@ -160,14 +162,12 @@ class ModelRunner:
         rows, draft_rows = inputs.sampled_requests, inputs.draft_rows
         if draft_rows is not None:
             rows = draft_rows.requests
-        if self.structured_output is not None:
-            self.structured_output.apply_bitmask(logits, rows)
+        self.structured_output.apply_bitmask(logits, rows)
         metadata = SamplingMetadata.from_requests(
             rows, self.args.vocab_size, self.device,
             draft_rows.output_offsets if draft_rows is not None else None)
         out = self.sampler(logits, metadata)
-        if self.structured_output is not None:
-            self.structured_output.accept_tokens(rows, out.sampled_token_ids)
+        self.structured_output.accept_tokens(rows, out.sampled_token_ids)
         if draft_rows is not None:
             return group_draft_samples(draft_rows, out.sampled_token_ids, out.logprobs)
         return {req.request_id: (tok, lp) for req, tok, lp in

@@ -132,8 +132,7 @@ class SamplingMetadata:
             num_output = request.num_output_tokens
             if output_offsets is not None:
                 num_output += output_offsets[row]
-            k = sp.effective_top_k
-            k = vocab_size if k == 0 else min(k, vocab_size)
+            k = min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size  # 0, -1: disabled
             temperature.append(sp.temperature)
             top_k.append(k)
             top_p.append(sp.top_p)

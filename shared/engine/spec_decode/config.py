@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,8 +53,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not valid JSON ({e})") from None
         if not isinstance(value, dict):
             raise ValueError("speculative_config: expected a JSON object")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size", "model", "draft_kv_cache_memory"}
+        known = {f.name for f in dataclasses.fields(cls)}  # vLLM's keys
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unsupported key(s) {unknown}; "
