@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -150,8 +151,6 @@ def _crashes_once(role: str) -> bool:
     """Test hook (env PDSERVE_TEST_CRASH_ONCE=ROLE:MARKER only; off by default): the first
     start of a ROLE service that finds no MARKER file creates it and exits 3 before it is
     ready, so a launcher's restart of a child that never came up can be tested."""
-    import os
-
     wanted, _, marker = os.environ.get("PDSERVE_TEST_CRASH_ONCE", "").partition(":")
     if wanted != role or not marker:
         return False
@@ -244,8 +243,6 @@ def normalize_argv(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     from services.common.env_check import check_environment
 
     bad_env = check_environment(os.environ, build_parser)

@@ -9,9 +9,9 @@ a short reconnect backoff and keepalive pings (a frozen or partitioned prefill f
 transfer within seconds, not at `kv_transfer_timeout`); every call carries the internal token
 (if configured) and `x-request-id`.
 
-A FetchKV that fails UNAVAILABLE before its first chunk (typically a channel still in
-reconnect backoff after the prefill or this host came back) waits up to RECONNECT_WAIT_S for
-the channel to connect and is asked once more.
+A FetchKV that fails UNAVAILABLE before its first chunk (a channel still in reconnect
+backoff, failing calls at once, after the prefill or this host came back from a restart or
+a network cut) waits up to RECONNECT_WAIT_S for the channel to connect and is asked once more.
 
 Every FetchKV failure but NOT_FOUND (pin expired or released) and DATA_LOSS (a bad or missing
 chunk) becomes ABORTED naming the prefill and its status: Generate's caller must not take the
@@ -96,9 +96,6 @@ class KVFetcher:
                     await self._fetch_once(address, request_id, block_indices, tracker, dst)
                     break
                 except grpc.aio.AioRpcError as e:
-                    # NOTE: a channel still in reconnect backoff (the prefill, or this host,
-                    # back from a restart or a network cut) fails a call at once: wait for it
-                    # to connect, then ask once more, unless a chunk already arrived.
                     if attempt == 0 and e.code() is grpc.StatusCode.UNAVAILABLE and \
                             not tracker.num_bytes and await self._reconnected(address):
                         continue

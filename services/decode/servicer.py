@@ -60,7 +60,6 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
         except Exception as e:
             await abort_with(context, e, rid, "Generate")
 
-
     async def SetPaused(self, request: pb.SetPausedRequest,
                         context: grpc.aio.ServicerContext) -> pb.SetPausedResponse:
         ids = list(request.request_ids)

@@ -29,31 +29,17 @@ from services.common.worker import EngineWorker
 from shared.engine.scheduler_output import EngineCoreOutput
 from shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
 from shared.kv_transfer.handle import KVHandle
-from shared.request import FinishReason, Request, RequestStatus
+from shared.request import FinishReason, Request
 from shared.sampling_params import SamplingParams
 from shared.stop_rules import at_length_limit
 
 logger = logging.getLogger(__name__)
 
 
-def _same(chunk: KVChunkData) -> KVChunkData:
-    return chunk
-
-
 def _next_encoded(chunks: Iterator[KVChunkData],
                   encode: Callable[[KVChunkData], Any]) -> tuple[KVChunkData, Any] | None:
     chunk = next(chunks, None)
     return None if chunk is None else (chunk, encode(chunk))
-
-
-def client_finish_reason(request: Request, params: SamplingParams,
-                         max_model_len: int) -> FinishReason | None:
-    """How the client's request ends with its first token (None: it goes on): the engine's
-    finish reason (it ran max_tokens=1), but a length cap only at the client's own limit."""
-    if request.status == RequestStatus.FINISHED_LENGTH_CAPPED and not at_length_limit(
-            params, max_model_len, request.num_prompt_tokens, request.num_output_tokens):
-        return None
-    return request.finish_reason
 
 
 class PrefillWorker(EngineWorker):
@@ -107,7 +93,9 @@ class PrefillWorker(EngineWorker):
                                        f"request {request_id!r} was aborted")
                 first_token_time = time.monotonic()
                 self.metrics.first_token(first_token_time - arrival)
-                finish = client_finish_reason(request, params, self.max_model_len)
+                # The client's request goes on in a decode exactly when the connector holds
+                # its blocks (it asked, not at the client's own limit, and hit max_tokens=1).
+                finish = None if held is not None else last.finish_reason
                 handle = None if held is None else KVHandle(
                     self.identity.instance_id, self.identity.address, held["block_ids"],
                     held["block_hashes"], request.num_prompt_tokens, self.layout,
@@ -125,7 +113,7 @@ class PrefillWorker(EngineWorker):
     # -- FetchKV / ReleaseKV / Abort ---------------------------------------------------------
 
     async def fetch_kv(self, request_id: str, block_indices: list[int],
-                       encode: Callable[[KVChunkData], Any] = _same) -> AsyncIterator[Any]:
+                       encode: Callable[[KVChunkData], Any]) -> AsyncIterator[Any]:
         """Stream the held KV of `block_indices` (all blocks when empty), as
         `encode(chunk)` for each chunk (the servicer's proto message).
 
