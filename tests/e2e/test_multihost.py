@@ -11,10 +11,11 @@ The tests run in file order on one cluster (short heartbeats: HEARTBEAT_S / TTL_
 2. a repeated long prefix goes to the prefill and decode hosts that hold it (their own
    counters: prefix-cache hits, prompt tokens, KV blocks received);
 3. a third decode host started mid-run gets requests within 10 s of turning SERVING;
-4. a decode host's link cut mid-stream: every stream completes identically (failover), and
-   the host's registration is gone from Redis within one TTL; the link restored, it rejoins;
-5. a decode host drained by SIGTERM mid-stream: its streams finish there, no client error,
-   no failover, exit 0;
+4. a decode host's link cut mid-stream: every stream completes (failover; identically in
+   fp32, see _assert_answers), and the host's registration is gone from Redis within one
+   TTL; the link restored, it rejoins;
+5. a decode host drained by SIGTERM mid-stream: its streams finish there (identically in
+   fp32), no client error, no failover, exit 0;
 6. afterwards no KV block is in use or pinned anywhere (every pool's invariants hold), and a
    prefill host told to stop leaves Redis at once.
 The fixture's finalizer kills every process and removes the namespaces and the bridge, also
@@ -386,6 +387,23 @@ async def _busiest_decode(c: Cluster, streams: list[Stream]) -> tuple[Engine, in
     return found[0]
 
 
+def _assert_answers(streams: list[Stream], refs: list[Reference], max_tokens: int) -> None:
+    """fp32: the in-process engine's answers, token for token. Quantized modes: no error
+    event and a complete answer. The text may differ there: the cluster computes a prompt
+    in other shapes than the reference run did (a prefix-cache hit on the hosts' own
+    caches, a failover's recompute), whose rounding differs at the 1e-7 level, and int8
+    activations turn that into another token now and then (exactness across paths is
+    fp32-only, as in test_failover)."""
+    for s, ref in zip(streams, refs, strict=True):
+        assert s.done and not s.errors, s
+        if TEST_QUANTIZATION == "none":
+            assert s.result() == ref
+            continue
+        assert s.texts and 1 <= (s.num_tokens or 0) <= max_tokens, s
+        assert s.finish_reason == "stop" or (s.finish_reason, s.num_tokens) == \
+            ("length", max_tokens), s
+
+
 def _token_ids(n: int, seed: int) -> list[int]:
     """`n` token ids no chat prompt starts with (no shared first block with anything else)."""
     rng = random.Random(seed)
@@ -509,9 +527,7 @@ async def test_a_cut_decode_host_fails_over_and_leaves_redis_within_one_ttl(c, r
     NUMBERS["cut"] = {"running_on_victim": running, "gone_from_redis_s": round(gone_s, 2),
                       "streams_done_s": round(time.monotonic() - cut_at, 2)}
     assert gone_s <= TTL_S + 0.25, gone_s
-    for s, ref in zip(streams, reference["cut"], strict=True):
-        assert s.done and not s.errors, s
-        assert s.result() == ref
+    _assert_answers(streams, reference["cut"], STREAM_MAX_TOKENS)
     assert await _decode_failovers(c) - failovers >= 1
     victim.host.restore()  # it comes back and registers again
     NUMBERS["cut"]["rejoined_s"] = round(await _until(
@@ -536,9 +552,7 @@ async def test_a_decode_host_drained_on_sigterm_finishes_its_streams(c, referenc
     gone_s = await _until(lambda: victim.address not in c.registered(),
                           "the draining host to leave Redis", TTL_S)
     await asyncio.wait_for(asyncio.gather(*tasks), 180)
-    for s, ref in zip(streams, reference["drain"], strict=True):
-        assert s.done and not s.errors, s
-        assert s.result() == ref
+    _assert_answers(streams, reference["drain"], DRAIN_MAX_TOKENS)
     # finished where they ran: no attempt on the draining host failed (a retry elsewhere,
     # e.g. a host's channel reconnecting under load, is not this test's concern: counted)
     retries = [line for line in _retries(c) if line not in retries_before]
