@@ -151,9 +151,8 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+    def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
@@ -198,9 +197,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_idx: int) -> None:
+    def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args, layer_idx)
+        self.self_attn = LlamaAttention(args)
         self.mlp = LlamaMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -235,8 +234,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i)
-                                    for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args)
+                                    for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings,
                                       args.rope_theta, args.rope_scaling)
@@ -245,8 +244,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_weight = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
         self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_gemv: cpu_gemv.GemvWeight | None = None
         """The LM head weight prepacked for oneDNN (`set_packed_linear`); None: F.linear."""
+        self.lm_head_gemv: cpu_gemv.GemvWeight | None = None
         self.lm_head_int8: cpu_int8.Int8Weight | None = None
         """The LM head in int8 (`quantize_int8`); set, it wins over the others."""
         self.quantization = "none"
