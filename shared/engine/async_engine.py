@@ -170,13 +170,9 @@ class AsyncEngine:
         if not self._thread.is_alive():
             self.engine_core.shutdown()
 
-    @property
-    def has_work(self) -> bool:
-        return self.engine_core.has_unfinished_requests() or not self._ops.empty()
-
     def seconds_since_progress(self) -> float:
         """0 while idle; else seconds since the last completed step (readiness probes)."""
-        if not self.has_work:
+        if not self.engine_core.has_unfinished_requests() and self._ops.empty():
             return 0.0
         return time.monotonic() - self.last_step_time
 
