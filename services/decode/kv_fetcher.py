@@ -79,11 +79,10 @@ class KVFetcher:
         """Write the handle's blocks `block_indices` into our blocks `dst_block_ids`.
 
         Raises:
-            ServiceError: NOT_FOUND (the prefill has no pinned KV for the request: expired,
-                released, aborted) or DATA_LOSS (its status, or a chunk that does not fit or
-                a stream that ends early) passed through; ABORTED for any other failure of
-                the FetchKV call (the prefill unreachable, gone mid-stream, its deadline,
-                auth, ...), the message naming the prefill address and the original status.
+            ServiceError: NOT_FOUND (no pinned KV: expired, released, aborted) and DATA_LOSS
+                (its status, a chunk that does not fit, a stream that ends early) as they
+                are; ABORTED, naming the prefill address and its status, for any other
+                FetchKV failure (unreachable, gone mid-stream, deadline, auth, ...).
         """
         address = handle.prefill_address
         tracker = TransferTracker(self.layout, block_indices)

@@ -1,13 +1,7 @@
-"""Scheduling policy, the scheduler's pure parts: who may enter and in what order (when to
-stop: shared/stop_rules.py).
-
-    validate_request(request, ...)       EngineCore.add_request's checks (ValueError naming
-                                         the field)
-    admission_order(waiting, config)     the order schedule() tries to admit waiting requests
-    prefill_urgency(waiting, running, config)   the next prefill's size, for the core share
-
-None of these touch the KV cache or the scheduler's queues; `Scheduler` and `EngineCore`
-call them.
+"""Scheduling policy, the scheduler's pure parts: who may enter (`validate_request`), in what
+order (`admission_order`), and the next prefill's size for the host's core share
+(`prefill_urgency`). None of them touch the KV cache or the scheduler's queues; `Scheduler`
+and `EngineCore` call them. When a request stops: shared/stop_rules.py.
 """
 
 from __future__ import annotations
