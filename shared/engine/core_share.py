@@ -119,10 +119,8 @@ class CoreShare:
         Args:
             busy: the engine has work to step.
             urgency: prompt tokens left of its next prefill (0: overdue); NO_PREFILL: none.
-            can_yield: this engine may wait for a shorter prefill elsewhere: it has no
-                decodes running (pausing it stalls no stream), or it has only decodes
-                (urgency NO_PREFILL) whose stall bound has not run out, and then waits for
-                any busy engine with a prefill to do.
+            can_yield: this engine may wait for a shorter prefill elsewhere (no decodes
+                running, or only decodes within their stall bound: module docstring).
 
         Returns:
             Threads for this step; 0 means: wait and ask again, because another engine has
