@@ -48,7 +48,8 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
                     chunk = pb.TokenChunk(
                         request_id=rid, token_ids=out.new_token_ids,
                         logprobs=[logprobs_to_proto(lp) for lp in out.new_logprobs],
-                        finish_reason=FINISH_REASONS[out.finish_reason])
+                        finish_reason=FINISH_REASONS[out.finish_reason],
+                        stop_reason=out.stop_reason)
                     if num_tokens == 0:  # the first chunk says the prefix-cache hit
                         chunk.num_cached_tokens = out.num_cached_tokens
                     num_tokens += len(out.new_token_ids)

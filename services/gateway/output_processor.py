@@ -19,7 +19,6 @@ from services.gateway.prefill_decode import EngineOutput
 from services.gateway.stop_checker import StopChecker, StopTable
 from shared.proto import engine_pb2
 from shared.sampling_params import SamplingParams
-from shared.stop_rules import check_stop_token
 
 _FINISH_REASONS = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -110,10 +109,7 @@ class ChoiceProcessor:
                 delta.finish_reason, delta.stop_reason = "stop", self._stop_checker.stop_str
             else:
                 pieces.append(self._stop_checker.flush())
-                delta.finish_reason = engine_finish
-                if engine_finish == "stop" and out.token_ids:  # the engine's EOS is unknown
-                    _, delta.stop_reason = check_stop_token(
-                        self._params, out.token_ids[-1], self.num_output_tokens, None)
+                delta.finish_reason, delta.stop_reason = engine_finish, out.stop_reason
         delta.text = "".join(pieces)
         self.finish_reason = delta.finish_reason
         return delta

@@ -75,6 +75,8 @@ class EngineOutput(NamedTuple):
     prompt_logprobs: list[engine_pb2.TokenLogprobs] | None = None
     """First output only, when sampling_params.prompt_logprobs was set: one per prompt
     token after the first (the first has no logprob)."""
+    stop_reason: int | None = None
+    """The stop_token_ids entry that ended the request (None for EOS, as in vLLM)."""
 
 
 async def prefill_then_decode(
@@ -114,7 +116,7 @@ async def prefill_then_decode(
             yield EngineOutput([resp.first_token_id],
                                [resp.first_logprobs] if resp.HasField("first_logprobs") else [],
                                resp.finish_reason, resp.num_cached_tokens,
-                               list(resp.prompt_logprobs) or None)
+                               list(resp.prompt_logprobs) or None, _stop_reason(resp))
             if finished:
                 return
             decode_req.output_token_ids.append(resp.first_token_id)
@@ -129,7 +131,7 @@ async def prefill_then_decode(
                 yield EngineOutput(list(chunk.token_ids), list(chunk.logprobs),
                                    chunk.finish_reason,
                                    chunk.num_cached_tokens if is_first else None,
-                                   list(chunk.prompt_logprobs) or None)
+                                   list(chunk.prompt_logprobs) or None, _stop_reason(chunk))
                 is_first = False
                 if finished:
                     return
@@ -152,3 +154,7 @@ async def prefill_then_decode(
             for address, role in used:
                 if address != failed:  # it ended the call itself, or is gone
                     channels.abort_soon(address, role, [engine_request_id], request_id)
+
+
+def _stop_reason(message: engine_pb2.PrefillResponse | engine_pb2.TokenChunk) -> int | None:
+    return message.stop_reason if message.HasField("stop_reason") else None

@@ -44,7 +44,7 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
         response = pb.PrefillResponse(
             request_id=rid, first_token_id=first_token_id,
             num_cached_tokens=out.num_cached_tokens,
-            finish_reason=FINISH_REASONS[out.finish_reason])
+            finish_reason=FINISH_REASONS[out.finish_reason], stop_reason=out.stop_reason)
         if out.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
         if out.kv_transfer_params is not None:

@@ -156,6 +156,19 @@ async def test_a_request_finished_at_prefill_leaves_no_block_held(real_gateway, 
     assert states[0].num_pinned_blocks == 0 and states[0].invariants_ok, states[0]
 
 
+async def test_stop_reason_is_the_engines(real_gateway, offline_answers, tokenizer):
+    """stop_token_ids end a greedy answer on that token with stop_reason = its id, whether the
+    prefill's first token (PrefillResponse) or a decode's (TokenChunk) stops it."""
+    ids = offline_answers[0].token_ids
+    for at in (0, ids.index(ids[5])):  # where that token first comes
+        got = await chat(real_gateway.client, PARITY_CASES[0], PARITY_MAX_TOKENS,
+                         extra_body={"stop_token_ids": [ids[at]]})
+        choice = got.choices[0]
+        assert (choice.finish_reason, choice.stop_reason) == ("stop", ids[at])
+        assert got.usage.completion_tokens == at + 1
+        assert choice.message.content == tokenizer.decode(ids[:at], skip_special_tokens=True)
+
+
 async def test_usage_reports_cached_tokens(real_gateway, tokenizer):
     client = real_gateway.client
     prompt = filler(tokenizer, 410, seed=4242)

@@ -57,6 +57,11 @@ class FakeModel:
             return engine_pb2.FINISH_REASON_LENGTH
         return engine_pb2.FINISH_REASON_UNSPECIFIED
 
+    def stop_reason(self, params: engine_pb2.SamplingParams, token: int,
+                    count: int) -> int | None:
+        """The stop_token_ids entry that stops at `token` (None for EOS), as the engine."""
+        return check_stop_token(params, token, count, self.eos_token_id)[1]
+
     def logprobs(self, token: int, p: int, k: int) -> engine_pb2.TokenLogprobs:
         lp = -0.01 - 0.05 * (p % 5)
         top, cand = [token], token
@@ -150,6 +155,7 @@ class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
         return engine_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=t, first_logprobs=lp,
             kv_transfer_params=kv, num_cached_tokens=cached, finish_reason=finish,
+            stop_reason=self.model.stop_reason(request.sampling_params, t, 1),
             prompt_logprobs=self.model.prompt_logprobs(prompt, request.sampling_params))
 
     async def ReleaseKV(self, request, context):
@@ -197,6 +203,8 @@ class FakeDecode(engine_pb2_grpc.DecodeServiceServicer):
                     chunk.logprobs.append(lp)
                 if finish:
                     chunk.finish_reason = finish
+                    if (stop_reason := self.model.stop_reason(params, t, p)) is not None:
+                        chunk.stop_reason = stop_reason
                     break
             first = False
             call["finished"] = bool(chunk.finish_reason)

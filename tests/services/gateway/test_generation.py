@@ -90,6 +90,12 @@ async def test_include_stop_str_and_stop_token_ids(gateway, fast_tokenizer, fake
     assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop_id
     # The stop token's own text is not emitted.
     assert choice["text"] == fast_tokenizer.decode(fake_model.script[:at])
+    # EOS also listed in stop_token_ids: EOS is checked first (vLLM's order), so the engine
+    # says stop_reason None, and the gateway passes that on instead of guessing.
+    eos = (await gateway.http.post(COMPLETIONS, json={
+        **body, "stop_token_ids": [fake_model.eos_token_id]})).json()["choices"][0]
+    assert (eos["finish_reason"], eos["stop_reason"]) == ("stop", None)
+    assert eos["text"] == fast_tokenizer.decode(fake_model.script[:-1])
 
 
 async def test_min_tokens_suppresses_early_stop(gateway):
