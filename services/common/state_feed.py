@@ -3,7 +3,7 @@
     WatchState ─▶ StateFeed.watch() ─▶ frames: one snapshot, then deltas, every `interval`
                       │
                       └─ one ticker per instance, however many watchers:
-                         loop side: pins, admissions, transfers (the worker's bookkeeping)
+                         loop side: pins and transfers (the KV connector's)
                          engine thread (one op): changed block ids + their states, the
                            requests' block tables, stats_op (the leak audit's counts)
 
@@ -52,8 +52,8 @@ MAX_BACKLOG = 16
 class RequestView(NamedTuple):
     request_id: str
     status: str
-    """running | waiting | preempted | pinned (prefill) | transfer (decode) | paused
-    (decode) | held"""
+    """running | waiting | preempted | paused (decode) | pinned (prefill: finished, held for
+    a FetchKV) | transfer (decode: blocks a receive writes) | held (none of these: a leak)"""
     block_ids: list[int]
     num_cached_tokens: int
     num_computed_tokens: int
@@ -89,12 +89,9 @@ class FeedSample(NamedTuple):
 
 
 class LoopSide(NamedTuple):
-    """The worker's own bookkeeping, read on the event loop right before the op."""
+    """The KV connector's view, read on the event loop right before the op."""
 
     pinned_block_ids: frozenset[int]
-    request_labels: dict[str, tuple[str, object]]
-    """request_id -> (status, its Request or None) of requests that hold blocks outside the
-    scheduler (pinned, transfer)."""
     transfers: list[TransferView]
 
 
@@ -154,9 +151,12 @@ def feed_op(engine, full: bool, stats_op: Callable) -> FeedSample:
                       "running" if r.status == RequestStatus.RUNNING else
                       "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
             requests.append(_view(kv, r, status))
-    for r in scheduler.waiting_for_remote_kvs.values():  # blocks a receive is filling
-        seen.add(r.request_id)
-        requests.append(_view(kv, r, "transfer"))
+    for status, held in (("pinned", scheduler.finished_sending),
+                         ("transfer", scheduler.waiting_for_remote_kvs),
+                         ("transfer", scheduler.aborted_recving)):
+        for r in held.values():
+            seen.add(r.request_id)
+            requests.append(_view(kv, r, status))
     holders = kv.req_to_blocks
     for request_id in sorted(holders.keys() - seen):
         ids = kv.get_block_ids(request_id)
@@ -168,19 +168,6 @@ def _view(kv, r, status: str) -> RequestView:
     return RequestView(r.request_id, status, kv.get_block_ids(r.request_id),
                        max(r.num_cached_tokens, 0), r.num_computed_tokens,
                        r.num_prompt_tokens, r.num_tokens)
-
-
-def _label(view: RequestView, label: tuple[str, object] | None) -> RequestView:
-    """A held request's view with the worker's status and, if it knows the Request, its
-    token counts (a finished or not yet scheduled request: nothing changes them now)."""
-    if label is None:
-        return view
-    status, r = label
-    if r is None:
-        return view._replace(status=status)
-    return view._replace(status=status, num_cached_tokens=max(r.num_cached_tokens, 0),
-                         num_computed_tokens=r.num_computed_tokens,
-                         num_prompt_tokens=r.num_prompt_tokens, num_tokens=r.num_tokens)
 
 
 class _Watcher:
@@ -325,11 +312,9 @@ class StateFeed:
             # Only what differs from the previous frame travels.
             states = bytes(out)
         self._pinned = pinned
-        requests = [_label(r, side.request_labels.get(r.request_id)) if r.status == "held"
-                    else r for r in sample.requests]
         state = self._make_state(sample.stats, len(pinned))
         return StateFrame(seq, full, bytes(self._map) if full else states, changed, state,
-                          requests, side.transfers, sample.stats, counters, time.time())
+                          sample.requests, side.transfers, sample.stats, counters, time.time())
 
     def _publish(self, frame: StateFrame) -> None:
         self.seq = frame.seq

@@ -29,7 +29,6 @@ from services.common.state_feed import Counters, LoopSide, StateFeed, TransferVi
 from shared.engine.async_engine import AsyncEngine
 from shared.engine.engine_core import EngineCore
 from shared.kv_transfer.codec import KVLayout
-from shared.request import Request
 
 
 class Identity(NamedTuple):
@@ -133,7 +132,7 @@ class EngineWorker:
 
     def num_pinned_blocks(self) -> int:
         """Blocks held for KV transfers (prefill)."""
-        return 0
+        return len(self.pinned_block_ids())
 
     def num_in_flight(self) -> int:
         """Requests a drain waits for."""
@@ -142,11 +141,6 @@ class EngineWorker:
     def pinned_block_ids(self) -> frozenset[int]:
         """The blocks of num_pinned_blocks() (prefill)."""
         return frozenset()
-
-    def request_labels(self) -> dict[str, tuple[str, Request | None]]:
-        """(status, the Request) of each request holding blocks outside the scheduler
-        (state feed)."""
-        return {}
 
     def transfers(self) -> list[TransferView]:
         """KV transfers in flight here (state feed)."""
@@ -208,7 +202,7 @@ class EngineWorker:
             num_paused=stats.num_paused)
 
     def _feed_loop_side(self) -> LoopSide:
-        return LoopSide(self.pinned_block_ids(), self.request_labels(), self.transfers())
+        return LoopSide(self.pinned_block_ids(), self.transfers())
 
     def _feed_counters(self) -> Counters:
         m = self.metrics

@@ -213,14 +213,8 @@ class PrefillWorker(EngineWorker):
 
     # -- audit -------------------------------------------------------------------------------
 
-    def num_pinned_blocks(self) -> int:
-        return len(self.pinned_block_ids())
-
     def pinned_block_ids(self) -> frozenset[int]:
         return frozenset(b for s in self.kv_connector.sending() for b in s.block_ids)
-
-    def request_labels(self) -> dict[str, tuple[str, Request | None]]:
-        return {s.request.request_id: ("pinned", s.request) for s in self.kv_connector.sending()}
 
     def transfers(self) -> list[TransferView]:
         now = time.monotonic()

@@ -118,5 +118,5 @@ def feed(engine: ChurnEngine, pinned: set[int] | None = None, on_sample=None,
     async def stop_tracking():
         await call(lambda e: e.kv_cache_manager.block_pool.track_changes(False))
 
-    return StateFeed(sample, lambda: LoopSide(frozenset(pinned), {}, []), engine_state,
+    return StateFeed(sample, lambda: LoopSide(frozenset(pinned), []), engine_state,
                      lambda: Counters(0, 0, None, None), stop_tracking)
