@@ -44,6 +44,10 @@ class EngineStepError(RuntimeError):
     """The engine step that ran this request raised; the request was failed (blocks freed)
     and another instance may continue it from the tokens it already produced."""
 
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
 
 class AsyncEngine:
     def __init__(self, engine_core: EngineCore, name: str = "engine") -> None:
@@ -224,7 +228,7 @@ class AsyncEngine:
             self.consecutive_step_failures = 0
             self.num_steps += 1
             self.last_step_time = time.monotonic()
-            self._dispatch([(delta.request_id, delta) for delta in deltas])
+            self._dispatch(deltas)
             if not self.engine_core.last_step_scheduled:
                 # Nothing could run (e.g. transfers waiting for blocks that receives in
                 # flight hold): wait for an op (a receive finishing) instead of spinning.
@@ -269,13 +273,13 @@ class AsyncEngine:
                 if loop is not None:
                     loop.call_soon_threadsafe(_set_result, fut, result)
 
-    def _dispatch(self, items: list[tuple[str, EngineCoreOutput | EngineStepError]]) -> None:
+    def _dispatch(self, items: list[EngineCoreOutput] | list[EngineStepError]) -> None:
         # NOTE: one call_soon_threadsafe per event loop per step, not one per request: each
         # call wakes the loop through its self-pipe, and a batch of 64 decodes would wake it
         # 64 times a step.
         batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
+        for item in items:
+            stream = self._streams.get(item.request_id)
             if stream is not None:
                 loop, q = stream
                 batches.setdefault(loop, []).append((q, item))
@@ -284,22 +288,22 @@ class AsyncEngine:
 
     def _add_op(self, request: Request) -> None:
         if request.request_id in self.aborting:  # aborted before it was added: end it here
-            self._dispatch([(request.request_id, EngineCoreOutput(
-                request.request_id, [], [], FinishReason.ABORT, None))])
+            self._dispatch([EngineCoreOutput(request.request_id, [], [], FinishReason.ABORT,
+                                             None)])
             return
         self.engine_core.add_request(request)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
         ids = [r.request_id for r in self.engine_core.abort_requests(request_ids)]
-        self._dispatch([(i, EngineCoreOutput(i, [], [], FinishReason.ABORT, None)) for i in ids])
+        self._dispatch([EngineCoreOutput(i, [], [], FinishReason.ABORT, None) for i in ids])
         return ids
 
     def _fail_all(self, error: Exception) -> None:
         """Drop every request the engine holds (blocks freed); their streams raise."""
         ids = [r.request_id for r in
                self.engine_core.abort_requests(list(self.engine_core.scheduler.requests))]
-        failure = EngineStepError(f"engine step failed: {type(error).__name__}: {error}")
-        self._dispatch([(request_id, failure) for request_id in ids])
+        message = f"engine step failed: {type(error).__name__}: {error}"
+        self._dispatch([EngineStepError(message, request_id) for request_id in ids])
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, EngineCoreOutput | EngineStepError]]) -> None:
