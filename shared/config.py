@@ -149,6 +149,9 @@ class ParallelConfig:
     """Core ids this process binds to (sched_setaffinity); empty means no binding."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: triton on CUDA, the torch implementation on CPU."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """Decode batch sizes captured as CUDA graphs at start-up (`shared/engine/cuda_graph.py`);
+    empty: every step runs eagerly (on CPU, or with --enforce-eager)."""
     core_share: str = ""
     """Path of the host's core-share board (`shared/engine/core_share.py`): the engines of
     one host size their thread pools, step by step, to their share of the cores among those

@@ -75,6 +75,11 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     trust_remote_code: bool = False
     enforce_eager: bool = False
+    """CUDA: True runs every step eagerly; False (vLLM's default) captures the decode step
+    as CUDA graphs. No effect on CPU (no graphs there)."""
+    cuda_graph_sizes: list[int] | str | None = None
+    """Decode batch sizes to capture (vLLM's --cuda-graph-sizes); None: 1, 2, 4, then every
+    multiple of 8 up to max_num_seqs."""
     disable_log_requests: bool = False
 
     @staticmethod
@@ -133,8 +138,17 @@ class EngineArgs:
                        help="accepted and ignored: --kv-cache-memory sizes the KV pool")
         v.add_argument("--trust-remote-code", action="store_true",
                        help="accepted; no effect (Llama-family models load without code)")
-        v.add_argument("--enforce-eager", action="store_true",
-                       help="accepted; no effect (the forward runs eagerly)")
+        g.add_argument("--enforce-eager", action="store_true",
+                       default=env_bool("enforce_eager", d.enforce_eager),
+                       help="CUDA: run every step eagerly instead of replaying the decode "
+                            "step from CUDA graphs (captured at start-up); no effect on CPU")
+        # NOTE: strings, parsed by resolve_cuda_graph_sizes: argparse would run type=int over
+        # the variable's whole "4 8" default.
+        g.add_argument("--cuda-graph-sizes", nargs="+",
+                       default=env("cuda_graph_sizes", None),
+                       help="CUDA: decode batch sizes to capture as graphs (a step of n "
+                            "requests replays the smallest size >= n; larger steps run "
+                            "eagerly); default 1 2 4 8 16 ... up to --max-num-seqs")
         v.add_argument("--disable-log-requests", action="store_true",
                        help="accepted; no effect (requests are not logged one by one)")
         g.add_argument("--seed", type=int, default=env("seed", None),
@@ -178,6 +192,32 @@ class EngineArgs:
             return "float32"
         torch_dtype = str(hf_config.get("torch_dtype", ""))
         return torch_dtype if torch_dtype in ("bfloat16", "float16") else "float16"
+
+    def resolve_cuda_graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture: none on CPU or with --enforce-eager or another
+        attention backend than Triton; else --cuda-graph-sizes (a list, or a string of
+        numbers split by spaces or commas) capped at max_num_seqs, or vLLM's default list.
+
+        Raises:
+            ValueError: a size that is not a positive integer.
+        """
+        if self.device != "cuda" or self.enforce_eager or self.attention_backend == "torch":
+            return ()
+        from shared.engine.cuda_graph import default_capture_sizes
+
+        sizes = self.cuda_graph_sizes
+        if sizes is None:
+            return default_capture_sizes(self.max_num_seqs)
+        if not isinstance(sizes, str):
+            sizes = " ".join(str(s) for s in sizes)
+        sizes = sizes.replace(",", " ").split()
+        try:
+            parsed = sorted({int(s) for s in sizes})
+        except ValueError:
+            raise ValueError(f"cuda_graph_sizes must be integers, got {sizes!r}") from None
+        if not parsed or parsed[0] < 1:
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got {sizes!r}")
+        return tuple(s for s in parsed if s <= self.max_num_seqs) or (self.max_num_seqs,)
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The parsed --speculative-config; None when off. Raises ValueError naming the key."""
@@ -241,6 +281,7 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             burst_gap_s=self.burst_gap_ms / 1000.0)
         parallel_config = ParallelConfig(device=self.device,  # type: ignore[arg-type]
+                                         cuda_graph_sizes=self.resolve_cuda_graph_sizes(),
                                          num_threads=self.num_threads,
                                          cpu_cores=parse_cores(self.cpu_cores),
                                          attention_backend=self.attention_backend,  # type: ignore

@@ -14,6 +14,7 @@ import torch
 from shared.config import CacheConfig, ModelConfig, ParallelConfig
 from shared.engine.attention import PagedAttention
 from shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
+from shared.engine.cuda_graph import CUDAGraphRunner
 from shared.engine.prompt_logprobs import (
     PromptLogprobsJob,
     compute_prompt_logprobs,
@@ -101,6 +102,14 @@ class ModelRunner:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
         self.sampler = Sampler(seed=model_config.seed)
+        self.cuda_graph_runner: CUDAGraphRunner | None = None
+        """Replays pure-decode steps from CUDA graphs; None: every step runs eagerly."""
+        if parallel_config.cuda_graph_sizes and self.device.type == "cuda":
+            self.cuda_graph_runner = CUDAGraphRunner(
+                self.model, self.kv_caches, self.block_size, self.args.num_kv_heads,
+                model_config.max_model_len, parallel_config.cuda_graph_sizes, self.device,
+                backend)
+            self.cuda_graph_runner.capture()
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), attention backend %s",
                     self.num_gpu_blocks, self.block_size,
                     self.num_gpu_blocks * kv_cache_bytes_per_block(
@@ -141,6 +150,18 @@ class ModelRunner:
             draft_rows=draft_rows,
         )
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """The decoder over one step's tokens: [num_tokens] ids and positions ->
+        [num_tokens, hidden_size], replayed from a CUDA graph when one fits the step."""
+        graphs = self.cuda_graph_runner
+        batch = graphs.bucket(attn_metadata, input_ids.shape[0]) if graphs else None
+        if batch is not None:
+            return graphs.run(input_ids, positions, attn_metadata, batch)
+        attn = PagedAttention(attn_metadata, self.attention_backend, self.block_size,
+                              self.args.num_kv_heads)
+        return self.model(input_ids, positions, self.kv_caches, attn)
+
     @torch.inference_mode()
     def execute_model(self, scheduler_output) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request_id -> (sampled token, logprobs) for sampling rows.
@@ -150,9 +171,7 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return {}
         inputs = self.prepare_inputs(scheduler_output.scheduled)
-        attn = PagedAttention(inputs.attn_metadata, self.attention_backend, self.block_size,
-                              self.args.num_kv_heads)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, attn)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if inputs.prompt_logprobs_jobs:
             compute_prompt_logprobs(self.model.compute_logits, hidden,
                                     inputs.prompt_logprobs_jobs)

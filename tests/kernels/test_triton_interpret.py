@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CHECKS = ["store_kv_cache", "decode", "decode_gqa3_head_dim24", "prefill", "mixed"]
+CHECKS = ["store_kv_cache", "decode", "decode_gqa3_head_dim24", "prefill", "mixed",
+          "graph_padded_decode"]
 
 pytest.importorskip("triton")
 
