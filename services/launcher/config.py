@@ -46,8 +46,8 @@ class UpConfig:
     binding, every engine process may use every core."""
     cpu_share: bool = True
     """Every engine may use every core of `cpu_cores` and takes, each step, its share among
-    the engines busy now (`shared/engine/core_share.py`); off, or with a per-role core
-    override, the static split (`cpu_split`) applies."""
+    the engines busy now (`shared/engine/core_share.py`); off, on `--device cuda`, or with
+    a per-role core override, the static split (`cpu_split`) applies."""
     core_share_path: str = ""
     """The host's core board (default: `default_board_path()`, one per host)."""
     prefill_port: int | None = None
@@ -151,7 +151,8 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--decode-cpu-cores", default=None, help="cores for the decode replicas")
     g.add_argument("--cpu-share", action=argparse.BooleanOptionalAction, default=True,
                    help="the engines share the cores: each step an engine takes its share "
-                        "of them among the engines busy now (off: the static --cpu-split)")
+                        "of them among the engines busy now (off, and on --device cuda: "
+                        "the static --cpu-split)")
     g.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
                    help="with --no-cpu-share: bind prefill and decode to disjoint cores")
     for name, text in _PORT_FLAGS.items():

@@ -142,8 +142,11 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
     else:
         redis_url = config.redis_url
     share_path = ""
-    if config.cpu_share and config.prefill_cpu_cores is None \
-            and config.decode_cpu_cores is None:
+    # NOTE: the core share sizes CPU compute (each step's OpenMP pool, a prefill engine
+    # pausing for a shorter one on the host): on CUDA the GPU computes, so the engines there
+    # get the static split of --cpu-split instead (disjoint cores for their host threads).
+    if config.cpu_share and config.engine_args.device != "cuda" \
+            and config.prefill_cpu_cores is None and config.decode_cpu_cores is None:
         # Every engine on every core; the core board divides them step by step.
         cores = tuple(config.cpu_cores or available_cores())
         split = CoreSplit([cores] * n_p, [cores] * n_d)
