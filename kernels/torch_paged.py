@@ -90,7 +90,9 @@ def prepare_torch_metadata(
     `attn_metadata.verify_reqs` (a last token + speculative drafts), over the keys up to its
     own position (causal; their K/V is stored before attention reads it). Other requests
     are prefill slices. `bucket_size`: decode rows per bucket in the torch-ops fallback.
+    Its tensors are on the block table's device.
     """
+    device = attn_metadata.block_table.device
     seq_lens = attn_metadata.seq_lens.tolist()
     starts = attn_metadata.query_start_loc.tolist()
     block_table = attn_metadata.block_table.long()
@@ -107,7 +109,8 @@ def prepare_torch_metadata(
                                for j in range(end - start))
         elif end - start > 1:
             slots = _cache_slots(block_table[req_idx : req_idx + 1], seq_len, block_size)[0]
-            prefills.append(PrefillSlice(start, end, slots, _prefill_mask(end - start, seq_len)))
+            prefills.append(PrefillSlice(start, end, slots,
+                                         _prefill_mask(end - start, seq_len, device)))
     # NOTE: longest first balances the native kernel's dynamic schedule across threads, and
     # puts rows of similar length next to each other for the fallback's buckets.
     decode_reqs.sort(key=lambda req_idx: -seq_lens[req_idx])
@@ -115,13 +118,13 @@ def prepare_torch_metadata(
     if verify_rows:
         rows = sorted(rows + verify_rows, key=lambda row: -row[2])
     decode_rows = DecodeRows(
-        query_rows=torch.tensor([r[0] for r in rows], dtype=torch.int64),
-        batch_indices=torch.tensor([r[1] for r in rows], dtype=torch.int64),
-        seq_lens=torch.tensor([r[2] for r in rows], dtype=torch.int32),
+        query_rows=torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device),
+        batch_indices=torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device),
+        seq_lens=torch.tensor([r[2] for r in rows], dtype=torch.int32, device=device),
         max_seq_len=max((r[2] for r in rows), default=0))
     buckets = tuple(
         _decode_bucket(block_table, *(x[i : i + bucket_size] for x in decode_rows[:3]),
-                       block_size, num_kv_heads)
+                       rows[i][2], block_size, num_kv_heads)
         for i in range(0, len(rows), bucket_size)
     )
     return TorchAttentionMetadata(
@@ -131,15 +134,15 @@ def prepare_torch_metadata(
 
 def _cache_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """[n, length] int64 slots of positions 0..length-1 of each row's block table."""
-    positions = torch.arange(length)
+    positions = torch.arange(length, device=block_table.device)
     return block_table[:, positions // block_size] * block_size + positions % block_size
 
 
-def _prefill_mask(q_len: int, seq_len: int) -> torch.Tensor | None:
+def _prefill_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
     if q_len == seq_len:
         return None
-    query_pos = torch.arange(seq_len - q_len, seq_len)
-    return torch.arange(seq_len)[None, :] <= query_pos[:, None]
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+    return torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
 
 
 def _decode_bucket(
@@ -147,20 +150,22 @@ def _decode_bucket(
     query_rows: torch.Tensor,
     batch_indices: torch.Tensor,
     seq_lens: torch.Tensor,
+    max_len: int,
     block_size: int,
     num_kv_heads: int,
 ) -> DecodeBucket:
-    max_len = int(seq_lens.max())
+    """`max_len`: the bucket's longest seq_len (its first row's: rows are longest first)."""
     padded_len = -(-max_len // block_size) * block_size
     slots = _cache_slots(block_table[batch_indices], padded_len, block_size)  # [n, padded_len]
-    is_pad = torch.arange(padded_len)[None, :] >= seq_lens[:, None].long()
+    device = block_table.device
+    is_pad = torch.arange(padded_len, device=device)[None, :] >= seq_lens[:, None].long()
     # NOTE: padding re-reads the row's position 0, never the slots past seq_len: those (and the
     # null block) may hold NaN from an uninitialized cache, and a masked NaN still poisons
     # the softmax and the 0 * v products.
     slots = torch.where(is_pad, slots[:, :1], slots)
-    heads = torch.arange(num_kv_heads)
+    heads = torch.arange(num_kv_heads, device=device)
     cache_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [n, kvh, padded_len]
-    mask = torch.zeros(is_pad.shape).masked_fill_(is_pad, float("-inf"))
+    mask = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
     mask = mask.repeat_interleave(num_kv_heads, dim=0).unsqueeze(1)
     return DecodeBucket(query_rows, cache_rows.reshape(-1), mask, padded_len)
 
@@ -218,7 +223,9 @@ def paged_attention(
     out = torch.zeros_like(query) if padded else torch.empty_like(query)
     if metadata.decode_rows.query_rows.numel() > 0:
         native = None
-        if use_native and query.dtype == k_cache.dtype == torch.float32:
+        # NOTE: the C kernel reads host memory: CUDA tensors take the torch ops.
+        if use_native and query.device.type == "cpu" \
+                and query.dtype == k_cache.dtype == torch.float32:
             native = load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)
         if native is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             if query.stride(2) != 1 or query.stride(1) != head_dim:
