@@ -56,8 +56,23 @@ def store_kv_cache(
         v_cache: same shape and strides as k_cache.
         slot_mapping: [num_tokens] int64, contiguous.
     """
+    check_store_kv_cache_inputs(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     row_size = num_kv_heads * head_dim
+    if num_tokens == 0:
+        return
+    _store_kv_cache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), value.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.shape[1],
+        ROW_SIZE=row_size, BLOCK_ROW=triton.next_power_of_2(row_size),
+    )
+
+
+def check_store_kv_cache_inputs(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Asserts the shapes, strides and devices `store_kv_cache` indexes with (its Args);
+    token rows may be views with any token stride (k and v split from a fused qkv)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape and k_cache.shape == v_cache.shape
     assert k_cache.shape[2:] == (num_kv_heads, head_dim)
     assert k_cache.stride() == v_cache.stride()
@@ -66,11 +81,4 @@ def store_kv_cache(
         assert rows.stride(2) == 1 and rows.stride(1) == head_dim, "token rows not contiguous"
     assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
     assert slot_mapping.is_contiguous()
-    assert key.device == k_cache.device == slot_mapping.device
-    if num_tokens == 0:
-        return
-    _store_kv_cache_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), value.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.shape[1],
-        ROW_SIZE=row_size, BLOCK_ROW=triton.next_power_of_2(row_size),
-    )
+    assert key.device == value.device == k_cache.device == v_cache.device == slot_mapping.device
