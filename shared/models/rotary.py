@@ -64,23 +64,35 @@ class RotaryInputs(NamedTuple):
 
 
 class RotaryEmbedding:
-    """Holds the [max_positions, head_dim] cos/sin tables (fp32)."""
+    """Holds the [max_positions, head_dim] cos/sin tables (fp32 until `to`)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None) -> None:
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        pos = torch.arange(max_positions, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(pos, inv_freq)  # [max_positions, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.inv_freq = _inv_freq(head_dim, theta, scaling)
+        """[head_dim / 2] fp32 on the CPU, as transformers computes its buffer at load."""
+        self.max_positions = max_positions
+        self.cos, self.sin = self._tables(torch.device("cpu"))
         self.half = head_dim // 2
         self.use_fused_cpu_ops = False
         """True: rotate in place with `kernels.cpu_fused.rotary_embedding` (fp32 CPU)."""
 
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, self.inv_freq.to(device))  # [max_positions, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
     def to(self, device: torch.device | str, dtype: torch.dtype) -> RotaryEmbedding:
-        self.cos = self.cos.to(device=device, dtype=dtype)
-        self.sin = self.sin.to(device=device, dtype=dtype)
+        """Move the tables to `device` in `dtype`.
+
+        NOTE: cos/sin are recomputed on `device` in fp32, then cast: transformers computes
+        them on the model's device each step, and a GPU's cos/sin may differ from the CPU's
+        in the last bit (position * inv_freq is one rounding on either).
+        """
+        device = torch.device(device)
+        cos, sin = self._tables(device) if device != self.cos.device else (self.cos, self.sin)
+        self.cos = cos.to(dtype=dtype)
+        self.sin = sin.to(dtype=dtype)
         return self
 
     def prepare(self, positions: torch.Tensor) -> RotaryInputs:
