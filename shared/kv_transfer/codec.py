@@ -180,12 +180,26 @@ def write_kv_blocks(kv_caches: KVCaches, dst_block_ids: Sequence[int], layer_sta
     for the transfer, not yet cached): nothing else reads or writes them meanwhile.
     """
     device = kv_caches[0][0].device
-    dst = torch.tensor(list(dst_block_ids), dtype=torch.long, device=device)
-    data = data.to(device, non_blocking=True)
+    dst = _to_device(torch.tensor(list(dst_block_ids), dtype=torch.long), device)
+    data = _to_device(data, device)
     for j in range(data.shape[0]):
         k_cache, v_cache = kv_caches[layer_start + j]
         k_cache.index_copy_(0, dst, data[j, 0])
         v_cache.index_copy_(0, dst, data[j, 1])
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, without waiting for the device.
+
+    NOTE: a copy to a GPU from pageable memory (a `bytes` buffer, a fresh tensor) waits for
+    the stream's queued work, i.e. for the engine thread's step in flight, and this runs on
+    the service's event loop. From pinned memory it is queued like a kernel; the stream
+    orders it before the next step that reads the blocks, and the pinned buffer is kept
+    until the copy is done (torch's caching host allocator).
+    """
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class TransferTracker:
