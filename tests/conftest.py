@@ -23,19 +23,28 @@ here. Tests marked `fp32_only` (exact parity with transformers' fp32 model, or t
 default itself) are skipped in any other mode."""
 
 
-def _set_default_quantization(mode: str) -> None:
-    """EngineArgs() defaults to `mode` in this process (a test-run setting, not an API)."""
+TEST_DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
+"""The in-process engines' device for the whole run: `PDSERVE_TEST_DEVICE=cuda` runs the
+parity suite on a GPU (scripts/gpu_check.sh), with `hf_greedy_reference` computed by
+transformers in fp32 on the same device (TF32 off). Default cpu: CI never changes it."""
+
+
+def _set_engine_args_default(name: str, value: str) -> None:
+    """EngineArgs() defaults `name` to `value` in this process (a test-run setting, not an
+    API)."""
     from shared.engine_args import EngineArgs
 
     names = [f.name for f in dataclasses.fields(EngineArgs)]
     defaults = list(EngineArgs.__init__.__defaults__)
-    defaults[names.index("quantization") - (len(names) - len(defaults))] = mode
+    defaults[names.index(name) - (len(names) - len(defaults))] = value
     EngineArgs.__init__.__defaults__ = tuple(defaults)
-    assert EngineArgs(model="x").quantization == mode
+    assert getattr(EngineArgs(model="x"), name) == value
 
 
 if TEST_QUANTIZATION != "none":
-    _set_default_quantization(TEST_QUANTIZATION)
+    _set_engine_args_default("quantization", TEST_QUANTIZATION)
+if TEST_DEVICE != "cpu":
+    _set_engine_args_default("device", TEST_DEVICE)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -93,16 +102,21 @@ def parity_prompt_ids(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def hf_greedy_reference(model_path, parity_prompt_ids) -> list[list[int]]:
-    """transformers `generate` (greedy, fp32, one prompt at a time): the new token ids,
-    up to NUM_PARITY_TOKENS or the EOS token (included)."""
+    """transformers `generate` (greedy, fp32, one prompt at a time, on TEST_DEVICE): the new
+    token ids, up to NUM_PARITY_TOKENS or the EOS token (included)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if TEST_DEVICE == "cuda":
+        # NOTE: true fp32 matmuls (TF32 would make the reference itself drift).
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = model.to(TEST_DEVICE).eval()
     out = []
     with torch.inference_mode():
         for ids in parity_prompt_ids:
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=TEST_DEVICE)
             y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                max_new_tokens=NUM_PARITY_TOKENS, pad_token_id=2)
             out.append(y[0, len(ids):].tolist())
