@@ -190,7 +190,8 @@ class EngineArgs:
             return alias.get(self.dtype, self.dtype)
         if self.device == "cpu":
             return "float32"
-        torch_dtype = str(hf_config.get("torch_dtype", ""))
+        # NOTE: transformers 5 writes "dtype" where 4.x wrote "torch_dtype".
+        torch_dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "")
         return torch_dtype if torch_dtype in ("bfloat16", "float16") else "float16"
 
     def resolve_cuda_graph_sizes(self) -> tuple[int, ...]:
@@ -259,6 +260,9 @@ class EngineArgs:
             raise ValueError(f"burst_gap_ms must be >= 0, got {self.burst_gap_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.block_size < 16 and (self.device == "cuda" or self.attention_backend == "triton"):
+            raise ValueError(f"block_size must be at least 16 for the Triton kernels "
+                             f"(--device cuda), got {self.block_size}")
         name = self.served_model_name or (
             self.model if os.sep not in self.model else os.path.basename(str(model_path)))
         model_config = ModelConfig(model=self.model, model_path=str(model_path),

@@ -104,7 +104,9 @@ class ModelRunner:
         self.sampler = Sampler(seed=model_config.seed)
         self.cuda_graph_runner: CUDAGraphRunner | None = None
         """Replays pure-decode steps from CUDA graphs; None: every step runs eagerly."""
-        if parallel_config.cuda_graph_sizes and self.device.type == "cuda":
+        # NOTE: the torch backend's per-step host indices cannot be captured.
+        if (parallel_config.cuda_graph_sizes and self.device.type == "cuda"
+                and backend == "triton"):
             self.cuda_graph_runner = CUDAGraphRunner(
                 self.model, self.kv_caches, self.block_size, self.args.num_kv_heads,
                 model_config.max_model_len, parallel_config.cuda_graph_sizes, self.device,

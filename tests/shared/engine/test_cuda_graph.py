@@ -179,3 +179,15 @@ def test_steps_that_cannot_replay_run_eagerly(llm) -> None:
             CUDAGraphRunner(llm.engine.model_runner.model, [], 16, 1, 64, (), "cpu")
     finally:
         llm.engine.model_runner.cuda_graph_runner = None
+
+
+def test_cuda_engine_args_read_transformers5_dtype_and_refuse_small_blocks(model_path) -> None:
+    # transformers 5 writes "dtype" (SmolLM2's converted config.json has no "torch_dtype").
+    auto = EngineArgs(dtype="auto", device="cuda")
+    assert auto.resolve_dtype({"dtype": "bfloat16"}) == "bfloat16"
+    assert auto.resolve_dtype({"torch_dtype": "float16", "dtype": "bfloat16"}) == "float16"
+    assert auto.resolve_dtype({"dtype": "float32"}) == "float16"
+    # The Triton kernels need blocks of at least 16: refused at start-up, not at a step.
+    with pytest.raises(ValueError, match="at least 16"):
+        EngineArgs(model=model_path, device="cuda", block_size=8).create_engine_configs()
+    assert EngineArgs(model=model_path, block_size=8).create_engine_configs()[1].block_size == 8
