@@ -44,6 +44,7 @@ PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR" || exit 2
 LOG=$OUT_DIR/gpu_check.log JSON=$OUT_DIR/gpu_check.json
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/data"
 : >"$LOG"
 : >"$WORK/steps.tsv"
@@ -173,11 +174,11 @@ run_step() {  # run_step NAME cuda|any
     fi
     offset=$(stat -c %s "$LOG")
     say "=== step $name (timeout ${STEP_TIMEOUT}s) ==="
-    t0=$(date +%s.%N)
+    t0=$(date +%s%N)
     timeout -k 10 "$STEP_TIMEOUT" bash -c "step_$name" >>"$LOG" 2>&1
     rc=$?
-    local dt
-    dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+    local ms=$((($(date +%s%N) - t0) / 1000000)) dt
+    dt=$(printf '%d.%03d' $((ms / 1000)) $((ms % 1000)))
     status=passed
     if ((rc != 0)); then
         status=failed FAILED=1
