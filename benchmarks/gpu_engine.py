@@ -82,6 +82,7 @@ def decode_step_at_batch(llm: LLM, reqs: list[BenchRequest], batch: int, steps: 
             or engine.scheduler.num_waiting:
         engine.step()
     num_running = len(engine.scheduler.running)
+    replays = graph_info(llm)["num_replays"]
     times = []
     for _ in range(steps):
         sync(device)
@@ -91,7 +92,8 @@ def decode_step_at_batch(llm: LLM, reqs: list[BenchRequest], batch: int, steps: 
         times.append(time.perf_counter() - t0)
     engine.abort_requests(ids)
     return {"batch": batch, "num_running": num_running, "steps": steps,
-            "step_s_median": statistics.median(times), "step_s_min": min(times)}
+            "step_s_median": statistics.median(times), "step_s_min": min(times),
+            "graph_replays": graph_info(llm)["num_replays"] - replays}
 
 
 def memory(llm: LLM, device: str) -> dict:

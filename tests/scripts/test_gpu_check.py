@@ -89,6 +89,7 @@ def test_dry_run_reports_real_numbers(dry_run):
         assert [s["batch"] for s in engine["decode_step"]] == [1, 4]
         for s in engine["decode_step"]:
             assert s["num_running"] == s["batch"] and s["step_s_median"] > 0
+            assert s["graph_replays"] == 0
         assert engine["memory"]["kv_pool_bytes"] > 0
         assert engine["cuda_graphs"]["graphs_used"] is False  # no CUDA graphs on the CPU
     assert bench["transformers_batched"]["output_tok_per_s"] > 0
