@@ -61,7 +61,9 @@ def detail(name: str, data: dict | None) -> str:
         return (f"{g['mixed']['output_tok_per_s']:.0f} tok/s "
                 f"(eager {e['mixed']['output_tok_per_s']:.0f}), "
                 f"{data['speedup_over_transformers']:.2f}x transformers; "
-                f"graphs used={g['cuda_graphs']['graphs_used']}; step graph/eager {steps}")
+                f"graphs used={g['cuda_graphs']['graphs_used']}, same tokens as eager "
+                f"{data.get('graph_vs_eager_identical_requests', '?')}; "
+                f"step graph/eager {steps}")
     if name == "setup":
         return " ".join(f"{k}={v}" for k, v in data.get("versions", {}).items()
                         if k in ("torch", "triton", "transformers"))
