@@ -25,7 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shared.llm import LLM  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 from shared.tokenizer import apply_chat_template  # noqa: E402
-from tests.conftest import NUM_PARITY_TOKENS, PARITY_MESSAGES  # noqa: E402
+from tests.conftest import (  # noqa: E402
+    NUM_PARITY_TOKENS,
+    PARITY_MESSAGES,
+    transformers_greedy,
+)
 
 
 def num_agreeing(a: list[int], b: list[int]) -> int:
@@ -36,26 +40,6 @@ def num_agreeing(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def transformers_greedy(model_path: str, prompts: list[list[int]], device: str, dtype: str,
-                        max_tokens: int) -> list[list[int]]:
-    """transformers `generate`, greedy, one prompt at a time (no padding in play)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-    model = model.to(device).eval()
-    out = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids], device=device)
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_tokens, pad_token_id=2)
-            out.append(y[0, len(ids):].tolist())
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return out
 
 
 def main() -> None:

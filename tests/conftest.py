@@ -100,27 +100,39 @@ def parity_prompt_ids(tokenizer) -> list[list[int]]:
     return [apply_chat_template(tokenizer, m) for m in PARITY_MESSAGES]
 
 
+def transformers_greedy(model_path: str, prompts: list[list[int]], device: str = "cpu",
+                        dtype: str = "float32",
+                        max_tokens: int = NUM_PARITY_TOKENS) -> list[list[int]]:
+    """transformers `generate`, greedy, one prompt at a time (no padding in play): each
+    prompt's new token ids, up to `max_tokens` or the EOS token (included). On CUDA, TF32 is
+    turned off first (true fp32 matmuls; TF32 would make the reference itself drift).
+    Also used by benchmarks/gpu_parity.py."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_tokens, pad_token_id=2)
+            out.append(y[0, len(ids):].tolist())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 @pytest.fixture(scope="session")
 def hf_greedy_reference(model_path, parity_prompt_ids) -> list[list[int]]:
     """transformers `generate` (greedy, fp32, one prompt at a time, on TEST_DEVICE): the new
     token ids, up to NUM_PARITY_TOKENS or the EOS token (included)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if TEST_DEVICE == "cuda":
-        # NOTE: true fp32 matmuls (TF32 would make the reference itself drift).
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model = model.to(TEST_DEVICE).eval()
-    out = []
-    with torch.inference_mode():
-        for ids in parity_prompt_ids:
-            x = torch.tensor([ids], device=TEST_DEVICE)
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=NUM_PARITY_TOKENS, pad_token_id=2)
-            out.append(y[0, len(ids):].tolist())
-    return out
+    return transformers_greedy(model_path, parity_prompt_ids, TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
