@@ -130,9 +130,10 @@ step_model() {
 
 step_parity_suite() {
     local args=(-q -p no:cacheprovider -rs --junitxml="$WORK/parity.xml")
-    # Dry run: two of the suite's tests (the full suite is the CPU CI's own).
-    ((DRY)) && args+=(-x -k "reference_is_long_enough or batched_matches")
-    PDSERVE_TEST_DEVICE=$DEVICE "$PYTHON" -m pytest "${args[@]}" \
+    # Dry run: two of the suite's tests over 8 tokens (the full suite is the CPU CI's own).
+    local tokens=64
+    ((DRY)) && args+=(-x -k "reference_is_long_enough or batched_matches") && tokens=8
+    PDSERVE_TEST_DEVICE=$DEVICE PDSERVE_PARITY_TOKENS=$tokens "$PYTHON" -m pytest "${args[@]}" \
         tests/shared/engine/test_engine_parity.py
     local rc=$?
     "$PYTHON" "$REPORT_PY" junit "$WORK/parity.xml" --expect passed \

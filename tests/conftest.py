@@ -75,7 +75,9 @@ PARITY_MESSAGES: list[list[dict]] = [
     [{"role": "user", "content": "Write a poem about autumn leaves falling in a quiet park."}],
 ]
 
-NUM_PARITY_TOKENS = 64
+NUM_PARITY_TOKENS = int(os.environ.get("PDSERVE_PARITY_TOKENS", "64"))
+"""New tokens compared per parity prompt. 64 always, except in scripts/gpu_check.sh's dry
+run (8: it checks the step's plumbing on the CPU, where the suite itself runs in full)."""
 
 
 @pytest.fixture(scope="session")
