@@ -186,7 +186,8 @@ class CUDAGraphRunner:
 
         Returns:
             [n, hidden_size] hidden states: a view of the graph's output buffer, valid until
-            the next replay.
+            the next replay of any bucket (the graphs share one memory pool, so another
+            bucket's replay may reuse this memory for its intermediates).
         """
         self.inputs.fill(input_ids, positions, meta, batch)
         graph = self.graphs[batch]
