@@ -6,6 +6,9 @@
     gpu_check_report.py summary --steps TSV --data DIR --out FILE [--table] [--meta k=v ...]
         the steps' results (TSV: name, status, rc, seconds, note) with each step's numbers
         (DIR/<name>.json, when there) into FILE; with --table, a short table on stdout.
+    gpu_check_report.py markdown JSON [JSON ...]
+        the numbers of one or more gpu_check.json files (stage 1's and stage 2's; a step in
+        a later file wins) as a Markdown section for docs/benchmarks.md, on stdout.
 """
 
 from __future__ import annotations
@@ -102,6 +105,75 @@ def cmd_summary(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _gib(num_bytes: int | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 2**30:.2f} GiB"
+
+
+def markdown(results: list[dict]) -> str:
+    """The section: what ran where, each step's status, and the measured numbers as tables
+    (ratios beside the absolute numbers, all from the same run)."""
+    steps = {s["name"]: s for r in results for s in r["steps"]}
+    data = {name: s.get("data") or {} for name, s in steps.items()}
+    setup = data.get("setup", {})
+    versions = setup.get("versions", {})
+    device = setup.get("device_name") or results[-1].get("device", "?")
+    lines = [f"## On a GPU: {device} ({results[0].get('started', '?')})", "",
+             "`scripts/gpu_check.sh` (docs/gpu.md); "
+             + ", ".join(f"{k} {versions[k]}" for k in ("python", "torch", "triton",
+                                                        "transformers") if k in versions)
+             + ("; **dry run (CPU)**" if any(r.get("dry_run") for r in results) else "")
+             + ".", "", "| step | status | s | result |", "| --- | --- | --- | --- |"]
+    for s in steps.values():
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.0f} | "
+                     f"{detail(s['name'], s.get('data')) or s.get('note', '')} |")
+    agreement = data.get("agreement")
+    if agreement and agreement.get("prompts"):
+        dtype = agreement["dtype"]
+        lines += ["", f"Greedy agreement in {dtype}: new tokens before the first divergence "
+                      f"(of {agreement['max_tokens']}), per parity prompt.", "",
+                  f"| prompt | against transformers {dtype} | against transformers fp32 |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {p['prompt']} | {p['agree_same_dtype']} | {p['agree_fp32']} |"
+                  for p in agreement["prompts"]]
+    bench = data.get("engine_bench")
+    if bench and "engine" in bench:
+        g, e, hf = bench["engine"], bench["engine_eager"], bench["transformers_batched"]
+        lines += ["", f"mixed64 ({g['mixed']['requests']} requests, {bench['dtype']}), "
+                      "output tok/s in one run:", "",
+                  "| pdserve, CUDA graphs | pdserve, eager | transformers batched "
+                  f"({hf['batch_size']} at a time) | graphs / transformers | graphs / eager |",
+                  "| --- | --- | --- | --- | --- |",
+                  f"| {g['mixed']['output_tok_per_s']:.0f} | "
+                  f"{e['mixed']['output_tok_per_s']:.0f} | {hf['output_tok_per_s']:.0f} | "
+                  f"{bench['speedup_over_transformers']:.2f}x | "
+                  f"{g['mixed']['output_tok_per_s'] / e['mixed']['output_tok_per_s']:.2f}x |",
+                  "", "Decode step (median ms, all requests decoding):", "",
+                  "| batch | CUDA graphs | eager | eager / graphs | graph replays |",
+                  "| --- | --- | --- | --- | --- |"]
+        for gs, es in zip(g["decode_step"], e["decode_step"]):
+            lines.append(f"| {gs['batch']} | {_ms(gs['step_s_median'])} | "
+                         f"{_ms(es['step_s_median'])} | "
+                         f"{es['step_s_median'] / gs['step_s_median']:.2f}x | "
+                         f"{gs.get('graph_replays', '-')} |")
+        mem = g.get("memory", {})
+        lines += ["", f"Memory (graphs): KV pool {_gib(mem.get('kv_pool_bytes'))}, peak "
+                      f"allocated {_gib(mem.get('max_allocated_bytes'))}, reserved "
+                      f"{_gib(mem.get('reserved_bytes'))}; graphs captured for "
+                      f"{g['cuda_graphs'].get('capture_sizes')}; greedy tokens equal to "
+                      f"eager's for {bench.get('graph_vs_eager_identical_requests', '?')} "
+                      "requests."]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_markdown(ns: argparse.Namespace) -> int:
+    print(markdown([json.loads(Path(f).read_text()) for f in ns.json]), end="")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -115,8 +187,10 @@ def main() -> int:
     s.add_argument("--out", required=True)
     s.add_argument("--table", action="store_true")
     s.add_argument("--meta", nargs="*", default=[])
+    m = sub.add_parser("markdown")
+    m.add_argument("json", nargs="+")
     ns = ap.parse_args()
-    return cmd_junit(ns) if ns.cmd == "junit" else cmd_summary(ns)
+    return {"junit": cmd_junit, "summary": cmd_summary, "markdown": cmd_markdown}[ns.cmd](ns)
 
 
 if __name__ == "__main__":

@@ -165,3 +165,29 @@ def test_prepare_fails_when_a_call_would_carry_too_much(tmp_path):
                  "--dest", str(tmp_path / "gpu"), "--parts", "1",
                  env={"LIMIT_MIB": "1"})
     assert proc.returncode == 1 and "over 1 MiB" in proc.stderr
+
+
+def test_markdown_section_carries_the_measured_numbers(dry_run):
+    """`gpu_check_report.py markdown` (the docs/benchmarks.md section a GPU session pastes)
+    holds every step once, even from two stages' files, and the run's own numbers."""
+    _, out = dry_run
+    result = json.loads((out / "gpu_check.json").read_text())
+    report = subprocess.run(
+        [sys.executable, "scripts/gpu_check_report.py", "markdown", str(out / "gpu_check.json"),
+         str(out / "gpu_check.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    text = report.stdout
+    assert "**dry run (CPU)**" in text
+    for name in STEPS:
+        assert text.count(f"| {name} |") == 1, name
+    bench = next(s["data"] for s in result["steps"] if s["name"] == "engine_bench")
+    graphs, eager = bench["engine"], bench["engine_eager"]
+    assert (f"| {graphs['mixed']['output_tok_per_s']:.0f} | "
+            f"{eager['mixed']['output_tok_per_s']:.0f} | ") in text
+    assert f"{bench['speedup_over_transformers']:.2f}x" in text
+    for g, e in zip(graphs["decode_step"], eager["decode_step"]):
+        assert (f"| {g['batch']} | {g['step_s_median'] * 1e3:.2f} | "
+                f"{e['step_s_median'] * 1e3:.2f} |") in text
+    agreement = next(s["data"] for s in result["steps"] if s["name"] == "agreement")
+    assert len([line for line in text.splitlines() if line.startswith("| 0 | ")]) == 1
+    assert agreement["prompts"][0]["agree_fp32"] > 0
