@@ -41,16 +41,16 @@ def sync(device: str) -> None:
 
 def graph_info(llm: LLM) -> dict:
     """The CUDA-graph runner's state (None when eager or on the CPU)."""
-    runner = getattr(llm.engine.model_runner, "cuda_graph_runner", None)
-    sizes = list(getattr(runner, "capture_sizes", ()) or ())
-    replays = int(getattr(runner, "num_replays", 0) or 0)
+    runner = llm.engine.model_runner.cuda_graph_runner
+    sizes = list(runner.capture_sizes) if runner else []
+    replays = runner.num_replays if runner else 0
     return {"runner": runner is not None, "capture_sizes": sizes, "num_replays": replays,
             "graphs_used": replays > 0}
 
 
 def kv_pool_bytes(llm: LLM) -> int:
-    caches = getattr(llm.engine.model_runner, "kv_caches", [])
-    return sum(t.numel() * t.element_size() for layer in caches for t in layer)
+    return sum(t.numel() * t.element_size()
+               for layer in llm.engine.model_runner.kv_caches for t in layer)
 
 
 def run_mixed(llm: LLM, reqs: list[BenchRequest], device: str) -> dict:

