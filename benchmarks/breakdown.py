@@ -91,7 +91,7 @@ def matmul_rate(model, rows: int, reps: int, warmup: int = 2, packed: bool = Fal
     import torch
     import torch.nn.functional as F
 
-    from kernels import cpu_linear
+    from pdserve.kernels import cpu_linear
 
     layer_weights, lm_head = weight_matrices(model)
     weights = [*layer_weights, lm_head]
@@ -138,7 +138,7 @@ def part_c(model, args) -> dict:
 
 
 def cpu_linear_available() -> bool:
-    from kernels import cpu_linear
+    from pdserve.kernels import cpu_linear
 
     return cpu_linear.is_enabled() and cpu_linear.is_available()
 
@@ -178,7 +178,7 @@ class Stack:
 
     def __init__(self, flags: list[str], port: int, logfile: Path) -> None:
         exe = Path(sys.executable).with_name("pdserve")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "services.cli"]
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pdserve.services.cli"]
         self.cmd = [*cmd, "up", "--port", str(port), *flags]
         self.logfile = logfile
         self.port = port
@@ -270,7 +270,7 @@ def _pids_listening_on(ports: list[int]) -> list[int]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if "services.cli" not in args and not any(a.endswith("redis-server") for a in args):
+        if "pdserve.services.cli" not in args and not any(a.endswith("redis-server") for a in args):
             continue
         for flag, value in zip(args, args[1:]):
             if flag in ("--port", "--metrics-port") and value in wanted:
@@ -402,8 +402,8 @@ def engine_states(stack: Stack) -> dict:
     """GetState of each engine after the run (blocks used / pinned: leak check)."""
     import grpc
 
-    from shared.proto import engine_pb2 as pb
-    from shared.proto import engine_pb2_grpc as pb_grpc
+    from pdserve.shared.proto import engine_pb2 as pb
+    from pdserve.shared.proto import engine_pb2_grpc as pb_grpc
 
     out = {}
     for name, e in stack.engines.items():
@@ -642,8 +642,8 @@ def main() -> None:
 
     import torch
 
-    from shared.llm import LLM
-    from shared.sampling_params import SamplingParams
+    from pdserve.shared.llm import LLM
+    from pdserve.shared.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
     summary: dict = {"seed": args.seed, "threads": args.threads, "parts": parts,

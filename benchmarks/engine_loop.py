@@ -158,8 +158,8 @@ def run_engine(llm, reqs: list[WorkRequest], sampler: StepSampler | None = None,
     when the step that produced the token returned), step counts and phase times.
     Prompts are tokenized before the clock starts (as a server would on arrival).
     """
-    from shared.request import Request
-    from shared.sampling_params import SamplingParams
+    from pdserve.shared.request import Request
+    from pdserve.shared.sampling_params import SamplingParams
 
     engine = llm.engine
     if engine.has_unfinished_requests():

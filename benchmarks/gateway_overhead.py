@@ -26,8 +26,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import build_workload  # noqa: E402
-from shared.proto import engine_pb2 as pb  # noqa: E402
-from shared.proto import engine_pb2_grpc as pb_grpc  # noqa: E402
+from pdserve.shared.proto import engine_pb2 as pb  # noqa: E402
+from pdserve.shared.proto import engine_pb2_grpc as pb_grpc  # noqa: E402
 
 
 async def via_gateway(client: httpx.AsyncClient, model: str, prompt: str, n: int) -> float:
@@ -57,8 +57,8 @@ async def via_decode(stub, prompt_ids: list[int], n: int) -> float:
 
 
 async def run(args) -> dict:
-    from shared.models.convert import resolve_model_path
-    from shared.tokenizer import get_tokenizer
+    from pdserve.shared.models.convert import resolve_model_path
+    from pdserve.shared.tokenizer import get_tokenizer
 
     tok = get_tokenizer(str(resolve_model_path(args.model_path)))
     prompt = build_workload("single", 0)[0].prompt

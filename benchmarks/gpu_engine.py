@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import BenchRequest, build_workload  # noqa: E402
-from shared.llm import LLM  # noqa: E402
-from shared.request import Request  # noqa: E402
-from shared.sampling_params import SamplingParams  # noqa: E402
+from pdserve.shared.llm import LLM  # noqa: E402
+from pdserve.shared.request import Request  # noqa: E402
+from pdserve.shared.sampling_params import SamplingParams  # noqa: E402
 
 
 def sync(device: str) -> None:

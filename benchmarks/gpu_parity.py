@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.llm import LLM  # noqa: E402
-from shared.sampling_params import SamplingParams  # noqa: E402
-from shared.tokenizer import apply_chat_template  # noqa: E402
+from pdserve.shared.llm import LLM  # noqa: E402
+from pdserve.shared.sampling_params import SamplingParams  # noqa: E402
+from pdserve.shared.tokenizer import apply_chat_template  # noqa: E402
 from tests.conftest import (  # noqa: E402
     NUM_PARITY_TOKENS,
     PARITY_MESSAGES,

@@ -226,8 +226,8 @@ def main() -> None:
 
     import torch
 
-    from shared.llm import LLM
-    from shared.sampling_params import SamplingParams
+    from pdserve.shared.llm import LLM
+    from pdserve.shared.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
     llm = LLM(args.model, max_model_len=args.max_model_len,

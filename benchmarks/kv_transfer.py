@@ -32,8 +32,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import build_workload  # noqa: E402
-from shared.proto import engine_pb2 as pb  # noqa: E402
-from shared.proto import engine_pb2_grpc  # noqa: E402
+from pdserve.shared.proto import engine_pb2 as pb  # noqa: E402
+from pdserve.shared.proto import engine_pb2_grpc  # noqa: E402
 
 MIB = 1 << 20
 OPTIONS = [("grpc.max_send_message_length", 64 * MIB),
@@ -116,7 +116,12 @@ def make_writer(handle: pb.KVTransferParams):
     """The decode side's work per chunk: validate, then write into a KV cache."""
     import torch
 
-    from shared.kv_transfer.codec import KVChunkData, KVLayout, TransferTracker, write_kv_blocks
+    from pdserve.shared.kv_transfer.codec import (
+        KVChunkData,
+        KVLayout,
+        TransferTracker,
+        write_kv_blocks,
+    )
 
     n = len(handle.block_ids)
     shape = (n + 1, handle.block_size, handle.num_kv_heads, handle.head_dim)
@@ -186,15 +191,15 @@ class InProcessEngine:
     """The engine core in this process: the single-process baseline, no gRPC."""
 
     def __init__(self, model: str) -> None:
-        from shared.engine.engine_core import EngineCore
-        from shared.engine_args import EngineArgs
+        from pdserve.shared.engine.engine_core import EngineCore
+        from pdserve.shared.engine_args import EngineArgs
 
         self.core = EngineCore(*EngineArgs(model=model, kv_cache_memory="256MiB")
                                .create_engine_configs())
 
     def first_two_tokens(self, request_id: str, ids: list[int]) -> tuple[float, float]:
-        from shared.request import Request
-        from shared.sampling_params import SamplingParams
+        from pdserve.shared.request import Request
+        from pdserve.shared.sampling_params import SamplingParams
 
         t0 = time.perf_counter()
         self.core.add_request(Request(request_id, ids, SamplingParams(
@@ -246,8 +251,8 @@ def ms(xs: list[float]) -> float:
 
 
 async def run(args) -> dict:
-    from shared.models.convert import resolve_model_path
-    from shared.tokenizer import get_tokenizer
+    from pdserve.shared.models.convert import resolve_model_path
+    from pdserve.shared.tokenizer import get_tokenizer
 
     model = str(resolve_model_path(args.model))
     tokenizer = get_tokenizer(model)

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.workloads import build_workload  # noqa: E402
-from shared.llm import LLM  # noqa: E402
-from shared.sampling_params import SamplingParams  # noqa: E402
+from pdserve.shared.llm import LLM  # noqa: E402
+from pdserve.shared.sampling_params import SamplingParams  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "declaration_gettysburg.txt"
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down
@@ -81,7 +81,7 @@ def memory(llms: dict[str, LLM]) -> dict:
 
 
 def quality(llms: dict[str, LLM]) -> dict:
-    from shared.tokenizer import apply_chat_template
+    from pdserve.shared.tokenizer import apply_chat_template
     from tests.conftest import PARITY_MESSAGES  # the 8 parity prompts
 
     tok = llms["fp32"].tokenizer
@@ -109,7 +109,7 @@ def kernels(threads: int) -> dict:
     sizes: fp32 oneDNN-prepacked, the weight-only int8 C kernel, the VNNI kernel with int8
     (W8A8) and 16-bit (W8A16) activations where it builds, fbgemm dynamic int8, int8pack_mm
     bf16."""
-    from kernels import cpu_int8, cpu_linear
+    from pdserve.kernels import cpu_int8, cpu_linear
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -174,7 +174,7 @@ def llama_cpp(threads: int, rounds: int) -> dict:
                                capture_output=True, text=True, check=False)
         if built.returncode != 0:
             return {"skipped": "llama-cpp-python did not install: " + built.stderr[-300:]}
-    from shared.models.convert import find_smollm2_gguf
+    from pdserve.shared.models.convert import find_smollm2_gguf
 
     script = f"""
 import json, statistics, time, llama_cpp, sys

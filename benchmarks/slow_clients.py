@@ -204,7 +204,7 @@ async def run(args) -> dict:
 
 def launch(args) -> subprocess.Popen:
     port = args.base_url.rstrip("/").rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", port,
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", port,
            *shlex.split(args.launch)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)

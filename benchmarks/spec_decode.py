@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.workloads import build_workload  # noqa: E402
-from shared.llm import LLM  # noqa: E402
-from shared.request import Request  # noqa: E402
-from shared.sampling_params import SamplingParams  # noqa: E402
+from pdserve.shared.llm import LLM  # noqa: E402
+from pdserve.shared.request import Request  # noqa: E402
+from pdserve.shared.sampling_params import SamplingParams  # noqa: E402
 
 TEXT = ROOT / "tests" / "data" / "declaration_gettysburg.txt"
 INSTRUCTIONS = (
@@ -46,7 +46,7 @@ def passage(llm: LLM, num_tokens: int = 300) -> str:
 
 
 def repetitive_prompts(llm: LLM) -> list[list[int]]:
-    from shared.tokenizer import apply_chat_template
+    from pdserve.shared.tokenizer import apply_chat_template
 
     body = passage(llm)
     return [apply_chat_template(llm.tokenizer, [{"role": "user",

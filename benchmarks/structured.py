@@ -99,9 +99,9 @@ async def load_part(args) -> dict:
 
 
 def compile_part(args) -> dict:
-    from shared.models.convert import resolve_model_path
-    from shared.structured_output.backend import XgrammarBackend
-    from shared.structured_output.params import StructuredOutputsParams
+    from pdserve.shared.models.convert import resolve_model_path
+    from pdserve.shared.structured_output.backend import XgrammarBackend
+    from pdserve.shared.structured_output.params import StructuredOutputsParams
     from tests.e2e.structured_schemas import SCHEMAS
 
     model_path = str(resolve_model_path(args.tokenizer or args.model, convert=False))

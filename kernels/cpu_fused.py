@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_build import build_library
-from kernels.cpu_build import find_compiler as _find_compiler  # tests patch this name
+from pdserve.kernels.cpu_build import build_library
+from pdserve.kernels.cpu_build import find_compiler as _find_compiler  # tests patch this name
 
 logger = logging.getLogger(__name__)
 

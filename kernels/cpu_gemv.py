@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.cpu_build import load_library
+from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "f32_gemv_cpu.c"
 PANEL = 64

@@ -42,8 +42,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8_vnni
-from kernels.cpu_build import load_library
+from pdserve.kernels import cpu_int8_vnni
+from pdserve.kernels.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.cpu_build import load_library
+from pdserve.kernels.cpu_build import load_library
 
 if TYPE_CHECKING:
-    from kernels.cpu_int8 import Int8Weight
+    from pdserve.kernels.cpu_int8 import Int8Weight
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.cpu_build import build_library
-from kernels.cpu_build import find_compiler as _find_compiler  # tests patch this name
+from pdserve.kernels.cpu_build import build_library
+from pdserve.kernels.cpu_build import find_compiler as _find_compiler  # tests patch this name
 
 logger = logging.getLogger(__name__)
 

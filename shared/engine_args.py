@@ -12,8 +12,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
+from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ class EngineArgs:
         """
         if self.device != "cuda" or self.enforce_eager or self.attention_backend == "torch":
             return ()
-        from shared.engine.cuda_graph import default_capture_sizes
+        from pdserve.shared.engine.cuda_graph import default_capture_sizes
 
         sizes = self.cuda_graph_sizes
         if sizes is None:
@@ -231,8 +231,8 @@ class EngineArgs:
         Raises:
             ValueError / FileNotFoundError: naming the flag that is wrong.
         """
-        from shared.models.convert import resolve_model_path
-        from shared.models.loader import read_hf_config
+        from pdserve.shared.models.convert import resolve_model_path
+        from pdserve.shared.models.loader import read_hf_config
 
         model_path = resolve_model_path(self.model)
         hf = read_hf_config(model_path)

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.engine.engine_core import EngineCore
-from shared.engine_args import EngineArgs
-from shared.request import Request, TokenLogprobs
-from shared.sampling_params import SamplingParams
-from shared.tokenizer import apply_chat_template, get_tokenizer
+from pdserve.shared.engine.engine_core import EngineCore
+from pdserve.shared.engine_args import EngineArgs
+from pdserve.shared.request import Request, TokenLogprobs
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.tokenizer import apply_chat_template, get_tokenizer
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling_params import SamplingParams
+from pdserve.shared.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

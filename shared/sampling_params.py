@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shared.structured_output.params import StructuredOutputsParams
+from pdserve.shared.structured_output.params import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 

@@ -7,8 +7,8 @@ the gateway has: services/gateway/stop_checker.py."""
 
 from __future__ import annotations
 
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
+from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.sampling_params import SamplingParams
 
 
 def check_stop_token(params: SamplingParams, token_id: int, num_output_tokens: int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from shared.chat_encoding import encode_chat
+from pdserve.shared.chat_encoding import encode_chat
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

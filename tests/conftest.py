@@ -32,7 +32,7 @@ transformers in fp32 on the same device (TF32 off). Default cpu: CI never change
 def _set_engine_args_default(name: str, value: str) -> None:
     """EngineArgs() defaults `name` to `value` in this process (a test-run setting, not an
     API)."""
-    from shared.engine_args import EngineArgs
+    from pdserve.shared.engine_args import EngineArgs
 
     names = [f.name for f in dataclasses.fields(EngineArgs)]
     defaults = list(EngineArgs.__init__.__defaults__)
@@ -83,21 +83,21 @@ run (8: it checks the step's plumbing on the CPU, where the suite itself runs in
 @pytest.fixture(scope="session")
 def model_path() -> str:
     """The converted SmolLM2-135M-Instruct directory (converted once if missing)."""
-    from shared.models.convert import resolve_model_path
+    from pdserve.shared.models.convert import resolve_model_path
 
     return str(resolve_model_path())
 
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from shared.tokenizer import get_tokenizer
+    from pdserve.shared.tokenizer import get_tokenizer
 
     return get_tokenizer(model_path)
 
 
 @pytest.fixture(scope="session")
 def parity_prompt_ids(tokenizer) -> list[list[int]]:
-    from shared.tokenizer import apply_chat_template
+    from pdserve.shared.tokenizer import apply_chat_template
 
     return [apply_chat_template(tokenizer, m) for m in PARITY_MESSAGES]
 

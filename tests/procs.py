@@ -110,7 +110,7 @@ class ServiceGroup:
         `extra_args` name one); ENGINE_DEFAULTS come first, so `extra_args` override them."""
         port, metrics_port = free_port(), free_port()
         log_path = Path(self.log_dir) / f"{role}-{port}.log"
-        cmd = [sys.executable, "-m", "services.cli", "serve", role, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "pdserve.services.cli", "serve", role, "--host", "127.0.0.1",
                "--port", str(port), "--metrics-port", str(metrics_port),
                "--model", model_path, *ENGINE_DEFAULTS, *extra_args]
         with open(log_path, "w") as log:

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from shared.config import (
+from pdserve.shared.config import (
     MAX_GRPC_MESSAGE_BYTES,
     grpc_keepalive_channel_options,
     grpc_reconnect_options,

@@ -11,7 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Literal
 
-from shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
+from pdserve.shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
 
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS = {"prefill": (50051, 9051), "decode": (50052, 9052)}
@@ -84,7 +84,7 @@ class ServiceConfig:
 
     def resolve_address(self, bound_port: int) -> str:
         """host:port others reach this instance at (services/common/advertise.py)."""
-        from services.common.advertise import advertise_address
+        from pdserve.services.common.advertise import advertise_address
 
         return advertise_address(self.advertise_address, self.host, bound_port, self.redis_url)
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from shared.kv_transfer.codec import KVLayout
-from shared.kv_transfer.handle import KVHandle
-from shared.proto import engine_pb2 as pb
-from shared.request import FinishReason, TokenLogprobs
-from shared.sampling_params import SamplingParams
-from shared.structured_output.params import StructuredOutputsParams
+from pdserve.shared.kv_transfer.codec import KVLayout
+from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.request import FinishReason, TokenLogprobs
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.structured_output.params import StructuredOutputsParams
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -55,7 +55,7 @@ def _positive_float(text: str) -> float:
 
 
 def _size(text: str) -> int:
-    from shared.engine_args import parse_size
+    from pdserve.shared.engine_args import parse_size
 
     try:
         return parse_size(text)
@@ -64,7 +64,7 @@ def _size(text: str) -> int:
 
 
 def _cores(text: str) -> object:
-    from shared.engine_args import parse_cores
+    from pdserve.shared.engine_args import parse_cores
 
     try:
         return parse_cores(text)

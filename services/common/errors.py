@@ -7,7 +7,7 @@ from typing import NoReturn
 
 import grpc
 
-from shared.kv_transfer.codec import KVCodecError
+from pdserve.shared.kv_transfer.codec import KVCodecError
 
 logger = logging.getLogger(__name__)
 

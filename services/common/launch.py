@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from services.common.config import Role, ServiceConfig
-from services.common.server import LoadEngine, ServiceRuntime
-from shared.engine.engine_core import EngineCore
-from shared.engine_args import EngineArgs
+from pdserve.services.common.config import Role, ServiceConfig
+from pdserve.services.common.server import LoadEngine, ServiceRuntime
+from pdserve.shared.engine.engine_core import EngineCore
+from pdserve.shared.engine_args import EngineArgs
 
 SERVICE_NAMES = {"prefill": "pdserve.v1.PrefillService", "decode": "pdserve.v1.DecodeService"}
 _LOAD_LOCK = threading.Lock()
@@ -19,7 +19,7 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
     """Resolve the configs, build the EngineCore and read the
     tokenizer's EOS id. Runs in a thread while the server already answers health checks."""
     def load() -> tuple[EngineCore, int | None]:
-        from shared.tokenizer import get_tokenizer
+        from pdserve.shared.tokenizer import get_tokenizer
 
         with _LOAD_LOCK:
             configs = engine_args.create_engine_configs()
@@ -39,13 +39,13 @@ def build_runtime(config: ServiceConfig, engine_args: EngineArgs | None = None,
         assert engine_args is not None, "engine_args or load_engine"
         load_engine = engine_loader(engine_args, config.role)
     if config.role == "prefill":
-        from services.prefill.servicer import add_prefill_servicer
-        from services.prefill.worker import PrefillWorker
+        from pdserve.services.prefill.servicer import add_prefill_servicer
+        from pdserve.services.prefill.worker import PrefillWorker
 
         return ServiceRuntime(config, load_engine, PrefillWorker, add_prefill_servicer,
                               SERVICE_NAMES["prefill"])
-    from services.decode.servicer import add_decode_servicer
-    from services.decode.worker import DecodeWorker
+    from pdserve.services.decode.servicer import add_decode_servicer
+    from pdserve.services.decode.worker import DecodeWorker
 
     return ServiceRuntime(config, load_engine, DecodeWorker, add_decode_servicer,
                           SERVICE_NAMES["decode"])

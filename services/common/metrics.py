@@ -173,7 +173,7 @@ class ServiceMetrics:
     def histogram(self, name: str):
         """A histogram's cumulative buckets now, as a state_feed.HistogramView (None if
         absent), e.g. histogram("time_to_first_token_seconds")."""
-        from services.common.state_feed import HistogramView
+        from pdserve.services.common.state_feed import HistogramView
 
         family = f"pdserve_{name}"
         for metric in self.registry.collect():

@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from services.common.metrics import EngineStats
-from services.common.worker import EngineWorker, stats_op
-from shared.kv_cache.block_pool import BlockStored, KVCacheEvent
-from shared.prefix_index import InstanceInfo, PrefixIndex
+from pdserve.services.common.metrics import EngineStats
+from pdserve.services.common.worker import EngineWorker, stats_op
+from pdserve.shared.kv_cache.block_pool import BlockStored, KVCacheEvent
+from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 
 logger = logging.getLogger(__name__)
 

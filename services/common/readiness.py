@@ -36,7 +36,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 
-from shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

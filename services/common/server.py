@@ -28,23 +28,23 @@ from grpc_health.v1._async import HealthServicer
 from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
 from prometheus_client import CollectorRegistry, start_http_server
 
-from services.common.auth import TokenAuthInterceptor
-from services.common.config import ServiceConfig
-from services.common.errors import ServiceError
-from services.common.metrics import ServiceMetrics
-from services.common.monitor import InstanceMonitor
-from services.common.readiness import (
+from pdserve.services.common.auth import TokenAuthInterceptor
+from pdserve.services.common.config import ServiceConfig
+from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.metrics import ServiceMetrics
+from pdserve.services.common.monitor import InstanceMonitor
+from pdserve.services.common.readiness import (
     STEP_FAULT_ENV,
     StallWatchdog,
     stall_file_hook,
     step_fault_hook,
 )
-from services.common.spec_decode_metrics import register_spec_decode_metrics
-from services.common.worker import EngineWorker, Identity
-from shared.config import grpc_keepalive_server_options
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine_core import EngineCore
-from shared.prefix_index import PrefixIndex
+from pdserve.services.common.spec_decode_metrics import register_spec_decode_metrics
+from pdserve.services.common.worker import EngineWorker, Identity
+from pdserve.shared.config import grpc_keepalive_server_options
+from pdserve.shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.engine_core import EngineCore
+from pdserve.shared.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from services.common.errors import abort_with
-from services.common.server import Phase, ServiceRuntime
-from services.common.state_feed import HistogramView, StateFrame
-from services.common.worker import EngineWorker
-from shared.proto import engine_pb2 as pb
+from pdserve.services.common.errors import abort_with
+from pdserve.services.common.server import Phase, ServiceRuntime
+from pdserve.services.common.state_feed import HistogramView, StateFrame
+from pdserve.services.common.worker import EngineWorker
+from pdserve.shared.proto import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 W = TypeVar("W", bound=EngineWorker)

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from shared.engine.spec_decode.verification import SpecDecodingStats
+from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 
 
 class SpecDecodeCollector(Collector):

@@ -33,8 +33,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NamedTuple
 
-from services.common.metrics import EngineStats
-from shared.request import RequestStatus
+from pdserve.services.common.metrics import EngineStats
+from pdserve.shared.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class StateFrame(NamedTuple):
     """Snapshot: the whole map; delta: one byte per `changed_block_ids` entry."""
     changed_block_ids: list[int]
     state: object
-    """services.common.worker.EngineState of this moment."""
+    """pdserve.services.common.worker.EngineState of this moment."""
     requests: list[RequestView]
     transfers: list[TransferView]
     stats: EngineStats

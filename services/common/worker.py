@@ -21,14 +21,14 @@ from typing import NamedTuple
 
 import grpc
 
-from services.common import state_feed
-from services.common.config import ServiceConfig
-from services.common.errors import ServiceError
-from services.common.metrics import EngineStats, ServiceMetrics
-from services.common.state_feed import Counters, LoopSide, StateFeed, TransferView
-from shared.engine.async_engine import AsyncEngine
-from shared.engine.engine_core import EngineCore
-from shared.kv_transfer.codec import KVLayout
+from pdserve.services.common import state_feed
+from pdserve.services.common.config import ServiceConfig
+from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.metrics import EngineStats, ServiceMetrics
+from pdserve.services.common.state_feed import Counters, LoopSide, StateFeed, TransferView
+from pdserve.shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.engine_core import EngineCore
+from pdserve.shared.kv_transfer.codec import KVLayout
 
 
 class Identity(NamedTuple):

@@ -29,12 +29,12 @@ from collections.abc import Sequence
 
 import grpc
 
-from services.common.auth import call_metadata, internal_channel
-from services.common.config import ServiceConfig
-from services.common.errors import ServiceError
-from services.common.metrics import ServiceMetrics
-from shared.config import GRPC_RECONNECT_BACKOFF_MS
-from shared.kv_transfer.codec import (
+from pdserve.services.common.auth import call_metadata, internal_channel
+from pdserve.services.common.config import ServiceConfig
+from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.metrics import ServiceMetrics
+from pdserve.shared.config import GRPC_RECONNECT_BACKOFF_MS
+from pdserve.shared.kv_transfer.codec import (
     KVCaches,
     KVChunkData,
     KVCodecError,
@@ -42,9 +42,9 @@ from shared.kv_transfer.codec import (
     TransferTracker,
     write_kv_blocks,
 )
-from shared.kv_transfer.handle import KVHandle
-from shared.proto import engine_pb2 as pb
-from shared.proto import engine_pb2_grpc
+from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.proto import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

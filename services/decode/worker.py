@@ -34,15 +34,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import ServiceError
-from services.common.state_feed import TransferView
-from services.common.worker import EngineWorker
-from services.decode.kv_fetcher import KVFetcher
-from shared.engine.scheduler_output import EngineCoreOutput
-from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from shared.kv_transfer.handle import KVHandle
-from shared.request import FinishReason, Request
-from shared.sampling_params import SamplingParams
+from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.state_feed import TransferView
+from pdserve.services.common.worker import EngineWorker
+from pdserve.services.decode.kv_fetcher import KVFetcher
+from pdserve.shared.engine.scheduler_output import EngineCoreOutput
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.request import FinishReason, Request
+from pdserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

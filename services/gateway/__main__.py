@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import sys
 
-from services.gateway.config import add_cli_args, config_from_cli_args
+from pdserve.services.gateway.config import add_cli_args, config_from_cli_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,8 +25,8 @@ def run(ns: argparse.Namespace) -> int:
     """Start the gateway from parsed flags (also the hook for `pdserve serve gateway`)."""
     import uvicorn
 
-    from services.gateway.app import build_app
-    from services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
+    from pdserve.services.gateway.app import build_app
+    from pdserve.services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
 
     logging.basicConfig(level=str(ns.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,7 +82,7 @@ def _make_server(config, notice, grace: float):
 def main(argv: list[str] | None = None) -> int:
     import os
 
-    from services.common.env_check import check_environment
+    from pdserve.services.common.env_check import check_environment
 
     bad_env = check_environment(os.environ, build_parser)
     if bad_env is not None:

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from starlette.datastructures import Headers
 from starlette.requests import Request
 
-from services.gateway.config import split_api_keys
-from services.gateway.errors import GatewayError
+from pdserve.services.gateway.config import split_api_keys
+from pdserve.services.gateway.errors import GatewayError
 
 ADMIN_PATH_PREFIXES = ("/debug/", "/dashboard")
 """Paths that need the admin key: every /debug/* route and the operator dashboard."""

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.errors import GatewayError, bad_request
 
 _WAITING, _RUNNING, _DONE = 0, 1, 2
 _EWMA_WEIGHT = 0.2

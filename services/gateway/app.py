@@ -17,21 +17,21 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 
-from services.gateway.admission import AdmissionQueue
-from services.gateway.channel_pool import ChannelPool
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError
-from services.gateway.failover import EngineClient
-from services.gateway.federation import MetricsFederation
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.middleware import GatewayMiddleware
-from services.gateway.placement import InstanceRegistry, Placer
-from services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
-from services.gateway.serving_chat import ChatServing
-from services.gateway.serving_completion import CompletionServing
-from services.gateway.serving_tokenization import TokenizationServing
-from services.gateway.shutdown import ShutdownNotice
-from services.gateway.tokenization import GatewayTokenizer, load_tokenizer
+from pdserve.services.gateway.admission import AdmissionQueue
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.failover import EngineClient
+from pdserve.services.gateway.federation import MetricsFederation
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.middleware import GatewayMiddleware
+from pdserve.services.gateway.placement import InstanceRegistry, Placer
+from pdserve.services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
+from pdserve.services.gateway.serving_chat import ChatServing
+from pdserve.services.gateway.serving_completion import CompletionServing
+from pdserve.services.gateway.serving_tokenization import TokenizationServing
+from pdserve.services.gateway.shutdown import ShutdownNotice
+from pdserve.services.gateway.tokenization import GatewayTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _connect_registry(config: GatewayConfig):
     """The Redis PrefixIndex for --redis-url (None without one)."""
     if not config.redis_url:
         return None
-    from shared.prefix_index import PrefixIndex
+    from pdserve.shared.prefix_index import PrefixIndex
 
     # NOTE: instances register under their served model name: configure the same one here.
     return PrefixIndex(config.redis_url, config.served_model_name)

@@ -50,7 +50,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.gateway.errors import GatewayError
+from pdserve.services.gateway.errors import GatewayError
 
 logger = logging.getLogger(__name__)
 

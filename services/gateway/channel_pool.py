@@ -26,10 +26,10 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import call_metadata, internal_channel
-from services.gateway.control_calls import ControlCallStats
-from shared import config as shared_config
-from shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.common.auth import call_metadata, internal_channel
+from pdserve.services.gateway.control_calls import ControlCallStats
+from pdserve.shared import config as shared_config
+from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 _ENGINE_ID_RE = re.compile(r"(.+)-\d+(?:-retry\d+)?")

@@ -282,7 +282,7 @@ def _tokenizer_dir(value: str | None) -> str | None:
         return None
     if os.path.isfile(os.path.join(value, "tokenizer.json")):
         return value
-    from shared.models.convert import resolve_model_path
+    from pdserve.shared.models.convert import resolve_model_path
 
     try:
         return str(resolve_model_path(value, convert=False))
@@ -317,7 +317,7 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         FileNotFoundError: the model is not a local directory and was never converted.
         ValueError: a flag's value is out of range (the message names the flag).
     """
-    from shared.models.convert import resolve_model_path
+    from pdserve.shared.models.convert import resolve_model_path
 
     # NOTE: convert=False: conversion imports torch; the engine services convert first.
     model_path = str(resolve_model_path(ns.model, convert=False))

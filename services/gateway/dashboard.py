@@ -34,8 +34,8 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from services.gateway.admin import require_admin
-from shared.proto import engine_pb2 as pb
+from pdserve.services.gateway.admin import require_admin
+from pdserve.shared.proto import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ ROLES = ("prefill", "decode")
 
 
 def _static(name: str) -> str:
-    return resources.files("services.gateway").joinpath("static", name).read_text("utf-8")
+    return resources.files("pdserve.services.gateway").joinpath("static", name).read_text("utf-8")
 
 
 async def dashboard_page(request: Request) -> Response:

@@ -28,9 +28,9 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from services.gateway.admin import require_admin
-from services.gateway.channel_pool import ChannelPool
-from services.gateway.placement import Placer
+from pdserve.services.gateway.admin import require_admin
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.services.gateway.placement import Placer
 
 STATE_FIELDS = ("instance_id", "num_gpu_blocks", "num_free_blocks", "num_cached_blocks",
                 "num_used_blocks", "num_pinned_blocks", "num_running", "num_waiting",

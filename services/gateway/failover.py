@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
 
-from services.gateway.channel_pool import ChannelPool
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError, no_backend
-from services.gateway.health import EngineInfo, HealthTracker, discover_engine
-from services.gateway.placement import Placer
-from services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
-from shared.proto import engine_pb2
-from shared.stop_rules import at_length_limit
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.errors import GatewayError, no_backend
+from pdserve.services.gateway.health import EngineInfo, HealthTracker, discover_engine
+from pdserve.services.gateway.placement import Placer
+from pdserve.services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
+from pdserve.shared.proto import engine_pb2
+from pdserve.shared.stop_rules import at_length_limit
 
 logger = logging.getLogger(__name__)
 

@@ -31,9 +31,9 @@ from typing import NamedTuple
 import grpc
 from grpc_health.v1 import health_pb2
 
-from services.gateway.channel_pool import ChannelPool
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import no_backend
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.errors import no_backend
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from services.gateway.admin import AdminGuard, is_admin_path, unauthorized
-from services.gateway.config import split_api_keys
-from services.gateway.errors import GatewayError, error_response
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.tenancy import tenant_cache_salt
+from pdserve.services.gateway.admin import AdminGuard, is_admin_path, unauthorized
+from pdserve.services.gateway.config import split_api_keys
+from pdserve.services.gateway.errors import GatewayError, error_response
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.tenancy import tenant_cache_salt
 
-logger = logging.getLogger("services.gateway.access")
+logger = logging.getLogger("pdserve.services.gateway.access")
 
 # Client ids travel as gRPC metadata and in log lines: keep them short and printable.
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")

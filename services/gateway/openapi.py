@@ -16,8 +16,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute, Route
 
-from services.gateway.middleware import PUBLIC_ROUTES
-from services.gateway.protocol import (
+from pdserve.services.gateway.middleware import PUBLIC_ROUTES
+from pdserve.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

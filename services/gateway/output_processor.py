@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.gateway.detokenizer import Decoder, IncrementalDetokenizer
-from services.gateway.errors import GatewayError
-from services.gateway.prefill_decode import EngineOutput
-from services.gateway.stop_checker import StopChecker, StopTable
-from shared.proto import engine_pb2
-from shared.sampling_params import SamplingParams
+from pdserve.services.gateway.detokenizer import Decoder, IncrementalDetokenizer
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.prefill_decode import EngineOutput
+from pdserve.services.gateway.stop_checker import StopChecker, StopTable
+from pdserve.shared.proto import engine_pb2
+from pdserve.shared.sampling_params import SamplingParams
 
 _FINISH_REASONS = {
     engine_pb2.FINISH_REASON_UNSPECIFIED: None,

@@ -34,7 +34,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 import grpc
 
-from services.gateway.channel_pool import ChannelPool
-from services.gateway.errors import from_grpc_error
-from services.gateway.placement import Placement, Placer
-from shared.proto import engine_pb2
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.services.gateway.errors import from_grpc_error
+from pdserve.services.gateway.placement import Placement, Placer
+from pdserve.shared.proto import engine_pb2
 
 _NOT_FINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
 _CODE = grpc.StatusCode

@@ -14,7 +14,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.errors import GatewayError, bad_request
 
 
 class OpenAIBaseModel(BaseModel):

@@ -9,18 +9,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from services.gateway.dashboard import dashboard_feed, dashboard_page, dashboard_script
-from services.gateway.debug import kv_audit
-from services.gateway.errors import GatewayError, error_response, model_not_found
-from services.gateway.openapi import build_openapi
-from services.gateway.protocol import (
+from pdserve.services.gateway.dashboard import dashboard_feed, dashboard_page, dashboard_script
+from pdserve.services.gateway.debug import kv_audit
+from pdserve.services.gateway.errors import GatewayError, error_response, model_not_found
+from pdserve.services.gateway.openapi import build_openapi
+from pdserve.services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     parse_request,
 )
-from services.gateway.streams import ClientDisconnected
+from pdserve.services.gateway.streams import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 

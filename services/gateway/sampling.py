@@ -6,12 +6,12 @@ would overflow the proto's int32/int64/float fields), so nothing invalid reaches
 
 from __future__ import annotations
 
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError, bad_request
-from services.gateway.protocol import SamplingRequest
-from shared.proto import engine_pb2
-from shared.sampling_params import SamplingParams
-from shared.structured_output.params import StructuredOutputsParams
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.protocol import SamplingRequest
+from pdserve.shared.proto import engine_pb2
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.structured_output.params import StructuredOutputsParams
 
 _INT32_MAX = 2**31 - 1
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1

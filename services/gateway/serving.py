@@ -18,21 +18,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from services.gateway.admission import AdmissionQueue, Grant
-from services.gateway.backpressure import TRANSPORT_KEY, StreamBacklog
-from services.gateway.config import GatewayConfig
-from services.gateway.errors import GatewayError, bad_request, model_not_found
-from services.gateway.failover import EngineClient
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
-from services.gateway.prefill_decode import EngineOutput
-from services.gateway.sampling import to_engine_params
-from services.gateway.shutdown import ServerShutdown, ShutdownNotice
-from services.gateway.stop_checker import StopTable
-from services.gateway.streams import merge_streams, run_until_disconnect
-from services.gateway.structured_outputs import name_param
-from services.gateway.tokenization import GatewayTokenizer
-from shared.sampling_params import SamplingParams
+from pdserve.services.gateway.admission import AdmissionQueue, Grant
+from pdserve.services.gateway.backpressure import TRANSPORT_KEY, StreamBacklog
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.errors import GatewayError, bad_request, model_not_found
+from pdserve.services.gateway.failover import EngineClient
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
+from pdserve.services.gateway.prefill_decode import EngineOutput
+from pdserve.services.gateway.sampling import to_engine_params
+from pdserve.services.gateway.shutdown import ServerShutdown, ShutdownNotice
+from pdserve.services.gateway.stop_checker import StopTable
+from pdserve.services.gateway.streams import merge_streams, run_until_disconnect
+from pdserve.services.gateway.structured_outputs import name_param
+from pdserve.services.gateway.tokenization import GatewayTokenizer
+from pdserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

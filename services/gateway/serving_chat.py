@@ -9,24 +9,24 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.errors import bad_request
-from services.gateway.output_processor import ChoiceDelta, TokenLogprob
-from services.gateway.protocol import (
+from pdserve.services.gateway.errors import bad_request
+from pdserve.services.gateway.output_processor import ChoiceDelta, TokenLogprob
+from pdserve.services.gateway.protocol import (
     ChatCompletionRequest,
     check_content_parts,
     check_unsupported,
 )
-from services.gateway.sampling import (
+from pdserve.services.gateway.sampling import (
     build_sampling_params,
     check_limits,
     check_logprobs,
     resolve_max_tokens,
 )
-from services.gateway.serving import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
-from services.gateway.structured_outputs import resolve_structured_outputs
-from services.gateway.tenancy import request_cache_salt
-from services.gateway.tool_parser import ToolCallStream, extract_tool_calls
-from services.gateway.tools import ToolMode, resolve_tool_mode, template_messages
+from pdserve.services.gateway.serving import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
+from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
+from pdserve.services.gateway.tenancy import request_cache_salt
+from pdserve.services.gateway.tool_parser import ToolCallStream, extract_tool_calls
+from pdserve.services.gateway.tools import ToolMode, resolve_tool_mode, template_messages
 
 # apply_chat_template's own parameters: template variables may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset({

@@ -10,25 +10,25 @@ from contextlib import aclosing
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.errors import GatewayError, bad_request
-from services.gateway.output_processor import ChoiceDelta, ChoiceProcessor, TokenLogprob
-from services.gateway.protocol import CompletionRequest, check_unsupported
-from services.gateway.sampling import (
+from pdserve.services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor, TokenLogprob
+from pdserve.services.gateway.protocol import CompletionRequest, check_unsupported
+from pdserve.services.gateway.sampling import (
     build_sampling_params,
     check_limits,
     check_logprobs,
     check_token_ids,
     resolve_max_tokens,
 )
-from services.gateway.serving import (
+from pdserve.services.gateway.serving import (
     ChoiceRun,
     OpenAIServing,
     PromptInput,
     clamp_logprob,
     static_deltas,
 )
-from services.gateway.structured_outputs import resolve_structured_outputs
-from services.gateway.tenancy import request_cache_salt
+from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
+from pdserve.services.gateway.tenancy import request_cache_salt
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for this endpoint
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.gateway.errors import GatewayError, bad_request
-from services.gateway.protocol import DetokenizeRequest, TokenizeRequest
-from services.gateway.sampling import check_token_ids
-from services.gateway.serving_chat import ChatServing
+from pdserve.services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.protocol import DetokenizeRequest, TokenizeRequest
+from pdserve.services.gateway.sampling import check_token_ids
+from pdserve.services.gateway.serving_chat import ChatServing
 
 _NO_LIMIT = 10**8
 """transformers' model_max_length when a tokenizer declares none is ~1e30."""

@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from services.gateway.errors import GatewayError
-from services.gateway.streams import cancel_and_wait, run_unless
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.streams import cancel_and_wait, run_unless
 
 _T = TypeVar("_T")
 

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TypeVar
 
-from services.gateway.errors import GatewayError, bad_request
-from services.gateway.protocol import SamplingRequest
-from shared.structured_output.params import StructuredOutputsParams, canonical_json
+from pdserve.services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.protocol import SamplingRequest
+from pdserve.shared.structured_output.params import StructuredOutputsParams, canonical_json
 
 _T = TypeVar("_T")
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")

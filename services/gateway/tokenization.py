@@ -14,8 +14,8 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from shared.chat_encoding import encode_chat
-from shared.tokenizer import get_tokenizer
+from pdserve.shared.chat_encoding import encode_chat
+from pdserve.shared.tokenizer import get_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -23,9 +23,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from services.gateway.errors import bad_request
-from services.gateway.protocol import ChatCompletionRequest
-from shared.structured_output.params import StructuredOutputsParams, canonical_json
+from pdserve.services.gateway.errors import bad_request
+from pdserve.services.gateway.protocol import ChatCompletionRequest
+from pdserve.shared.structured_output.params import StructuredOutputsParams, canonical_json
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -14,8 +14,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from services.gateway.config import add_compat_args
-from shared.engine_args import EngineArgs, parse_cores
+from pdserve.services.gateway.config import add_compat_args
+from pdserve.shared.engine_args import EngineArgs, parse_cores
 
 
 @dataclass(frozen=True, slots=True)

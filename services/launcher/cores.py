@@ -99,7 +99,7 @@ def _engine_role(args: list[str]) -> str | None:
     for i, arg in enumerate(args[:-1]):
         if arg == "serve" and args[i + 1] in ("prefill", "decode"):
             return args[i + 1]
-        if arg == "-m" and args[i + 1] in ("services.prefill", "services.decode"):
+        if arg == "-m" and args[i + 1] in ("pdserve.services.prefill", "pdserve.services.decode"):
             return args[i + 1].split(".")[1]
     return None
 

@@ -9,7 +9,7 @@ import socket
 import urllib.error
 import urllib.request
 
-from services.launcher.plan import Probe
+from pdserve.services.launcher.plan import Probe
 
 
 def redis_ping(address: str, timeout: float = 1.0) -> bool:
@@ -41,7 +41,7 @@ class GrpcHealth:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from services.common.auth import internal_sync_channel
+        from pdserve.services.common.auth import internal_sync_channel
 
         channel = self._channels.get(address)
         if channel is None:  # its reconnect backoff finds a restarted engine within ~2 s

@@ -18,16 +18,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from services.launcher.config import UpConfig
-from services.launcher.cores import (
+from pdserve.services.launcher.config import UpConfig
+from pdserve.services.launcher.cores import (
     Cores,
     CoreSplit,
     available_cores,
     format_cores,
     split_cores,
 )
-from shared.engine.core_share import default_board_path
-from shared.engine_args import EngineArgs
+from pdserve.shared.engine.core_share import default_board_path
+from pdserve.shared.engine_args import EngineArgs
 
 ProbeKind = Literal["redis", "grpc", "http"]
 # NOTE: these describe one instance; inherited by several children they would collide
@@ -172,7 +172,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                                                      _ports(metrics_base, n, picked))):
             address = f"127.0.0.1:{port}"
             addresses[role].append(address)
-            argv = [python, "-m", "services.cli", "--log-level", config.log_level, "serve", role,
+            argv = [python, "-m", "pdserve.services.cli", "--log-level", config.log_level,
+                    "serve", role,
                     "--host", "127.0.0.1", "--port", str(port),
                     "--metrics-port", str(metrics_port), "--redis-url", redis_url,
                     "--grace-period", f"{grace:g}", *engine_flags(args)]
@@ -182,7 +183,7 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                                       stage=1, ports=(port, metrics_port), cores=cores[i],
                                       env=token_env))
     gateway_url = f"http://{connect_host(config.host)}:{config.port}"
-    argv = [python, "-m", "services.cli", "serve", "gateway", "--host", config.host,
+    argv = [python, "-m", "pdserve.services.cli", "serve", "gateway", "--host", config.host,
             "--port", str(config.port), "--model", model_path,
             "--served-model-name", served_model_name, "--redis-url", redis_url,
             "--prefill-url", ",".join(addresses["prefill"]),

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from shared.models.convert import DEFAULT_MODEL, resolve_model_path
+from pdserve.shared.models.convert import DEFAULT_MODEL, resolve_model_path
 
 INSTALL_REDIS = ["apt-get", "install", "-y", "-q", "redis-server"]
 
@@ -65,7 +65,7 @@ def ensure_model(model: str, say: Callable[[str], None]) -> str:
         if model.endswith(".gguf") and not os.path.isfile(model):
             raise SetupError(f"model {model!r}: no such file") from None
     say(f"converting {model} once (pdserve convert)")
-    cmd = [sys.executable, "-m", "services.cli", "convert", "--model", model]
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "convert", "--model", model]
     done = subprocess.run(cmd, stdout=subprocess.DEVNULL,
                           env={**os.environ, "HF_HUB_OFFLINE": os.environ.get(
                               "HF_HUB_OFFLINE", "1")})

@@ -25,23 +25,23 @@ import sys
 import threading
 import time
 
-from services.launcher.config import UpConfig, config_from_args
-from services.launcher.cores import (
+from pdserve.services.launcher.config import UpConfig, config_from_args
+from pdserve.services.launcher.cores import (
     available_cores,
     avoid_pinned,
     engine_processes,
     format_cores,
 )
-from services.launcher.health import Prober
-from services.launcher.plan import ChildSpec, Plan, build_plan, child_env
-from services.launcher.prereqs import (
+from pdserve.services.launcher.health import Prober
+from pdserve.services.launcher.plan import ChildSpec, Plan, build_plan, child_env
+from pdserve.services.launcher.prereqs import (
     SetupError,
     ensure_model,
     ensure_redis_server,
     served_model_name,
 )
-from services.launcher.process import ChildProcess, LogSink
-from services.launcher.supervise import RESTARTABLE_ROLES, Backoff, Supervisor
+from pdserve.services.launcher.process import ChildProcess, LogSink
+from pdserve.services.launcher.supervise import RESTARTABLE_ROLES, Backoff, Supervisor
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.5

@@ -2,7 +2,7 @@
 
 import sys
 
-from services.cli import main
+from pdserve.services.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["serve", "prefill", *sys.argv[1:]]))

@@ -7,20 +7,20 @@ from contextlib import aclosing
 
 import grpc
 
-from services.common.convert import (
+from pdserve.services.common.convert import (
     FINISH_REASONS,
     handle_to_proto,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
     sampling_params_from_proto,
 )
-from services.common.errors import abort_with
-from services.common.server import ServiceRuntime
-from services.common.servicer import EngineServicerBase
-from services.prefill.worker import PrefillWorker
-from shared.kv_transfer.codec import KVChunkData
-from shared.proto import engine_pb2 as pb
-from shared.proto import engine_pb2_grpc
+from pdserve.services.common.errors import abort_with
+from pdserve.services.common.server import ServiceRuntime
+from pdserve.services.common.servicer import EngineServicerBase
+from pdserve.services.prefill.worker import PrefillWorker
+from pdserve.shared.kv_transfer.codec import KVChunkData
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.proto import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import ServiceError
-from services.common.state_feed import TransferView
-from services.common.worker import EngineWorker
-from shared.engine.scheduler_output import EngineCoreOutput
-from shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
-from shared.kv_transfer.handle import KVHandle
-from shared.request import FinishReason, Request
-from shared.sampling_params import SamplingParams
-from shared.stop_rules import at_length_limit
+from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.state_feed import TransferView
+from pdserve.services.common.worker import EngineWorker
+from pdserve.shared.engine.scheduler_output import EngineCoreOutput
+from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
+from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.request import FinishReason, Request
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.stop_rules import at_length_limit
 
 logger = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from shared.engine.engine_core import EngineCore
-from shared.engine.scheduler_output import EngineCoreOutput
-from shared.request import FinishReason, Request
+from pdserve.shared.engine.engine_core import EngineCore
+from pdserve.shared.engine.scheduler_output import EngineCoreOutput
+from pdserve.shared.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

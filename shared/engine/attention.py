@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from shared.engine.attn_metadata import AttentionMetadata
+from pdserve.kernels import ops
+from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 
 class PagedAttention:
@@ -20,14 +20,14 @@ class PagedAttention:
         # NOTE: the torch (CPU) path builds its gather indices, and checks the slots for
         # padding, once per step, not per layer.
         is_torch = backend == "torch"
-        self.torch_metadata = (kernels.prepare_torch_metadata(metadata, block_size, num_kv_heads)
+        self.torch_metadata = (ops.prepare_torch_metadata(metadata, block_size, num_kv_heads)
                                if is_torch else None)
         self.slot_has_skips = bool((metadata.slot_mapping < 0).any()) if is_torch else None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """query [T, num_heads, D], key/value [T, num_kv_heads, D] -> [T, num_heads, D]."""
-        kernels.store_kv_cache(key, value, k_cache, v_cache, self.metadata.slot_mapping,
+        ops.store_kv_cache(key, value, k_cache, v_cache, self.metadata.slot_mapping,
                                backend=self.backend, has_skips=self.slot_has_skips)
-        return kernels.paged_attention(query, k_cache, v_cache, self.metadata, scale,
+        return ops.paged_attention(query, k_cache, v_cache, self.metadata, scale,
                                        backend=self.backend, torch_metadata=self.torch_metadata)

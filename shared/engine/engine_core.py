@@ -15,18 +15,18 @@ from collections.abc import Container
 
 import torch
 
-from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from shared.engine.core_share import NO_PREFILL, CoreShare
-from shared.engine.model_runner import ModelRunner
-from shared.engine.scheduler import Scheduler
-from shared.engine.scheduling_policy import validate_request
-from shared.engine.spec_decode.config import SpeculativeConfig
-from shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.kv_transfer.connector import KVConnector
-from shared.request import Request
-from shared.structured_output.backend import XgrammarBackend
-from shared.structured_output.manager import StructuredOutputManager
+from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.shared.engine.core_share import NO_PREFILL, CoreShare
+from pdserve.shared.engine.model_runner import ModelRunner
+from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.engine.scheduling_policy import validate_request
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.request import Request
+from pdserve.shared.structured_output.backend import XgrammarBackend
+from pdserve.shared.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

@@ -11,25 +11,25 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from shared.config import CacheConfig, ModelConfig, ParallelConfig
-from shared.engine.attention import PagedAttention
-from shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
-from shared.engine.cuda_graph import CUDAGraphRunner
-from shared.engine.prompt_logprobs import (
+from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.shared.engine.attention import PagedAttention
+from pdserve.shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
+from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
+from pdserve.shared.engine.prompt_logprobs import (
     PromptLogprobsJob,
     compute_prompt_logprobs,
     plan_prompt_logprobs,
 )
-from shared.engine.sampler import Sampler, SamplingMetadata
-from shared.engine.spec_decode.verification import (
+from pdserve.shared.engine.sampler import Sampler, SamplingMetadata
+from pdserve.shared.engine.spec_decode.verification import (
     DraftRows,
     expand_draft_rows,
     group_draft_samples,
 )
-from shared.models.llama import LlamaArgs
-from shared.models.loader import load_model
-from shared.request import TokenLogprobs
-from shared.structured_output.manager import StructuredOutputManager
+from pdserve.shared.models.llama import LlamaArgs
+from pdserve.shared.models.loader import load_model
+from pdserve.shared.request import TokenLogprobs
+from pdserve.shared.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.request import Request, TokenLogprobs
+from pdserve.shared.request import Request, TokenLogprobs
 
 ROWS_PER_CHUNK = 256
 """Positions sent through the LM head at once: bounds the fp32 [rows, vocab] logits tensor

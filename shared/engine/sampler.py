@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from shared.engine.sampling_metadata import SamplingMetadata
-from shared.request import TokenLogprobs
+from pdserve.shared.engine.sampling_metadata import SamplingMetadata
+from pdserve.shared.request import TokenLogprobs
 
 _DEFAULT_NUM_TOP_P_CANDIDATES = 256
 _CANDIDATE_GROWTH = 16

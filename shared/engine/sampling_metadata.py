@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.request import Request
+from pdserve.shared.request import Request
 
 _SEED_MASK = (1 << 64) - 1
 

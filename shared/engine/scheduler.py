@@ -20,22 +20,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from shared.config import SchedulerConfig
-from shared.engine.scheduler_kv_transfer import KVTransferScheduling
-from shared.engine.scheduler_output import (
+from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.scheduler_kv_transfer import KVTransferScheduling
+from pdserve.shared.engine.scheduler_output import (
     EngineCoreOutput,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
-from shared.engine.scheduler_pause import RequestPausing
-from shared.engine.scheduling_policy import admission_order, prefill_urgency
-from shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
-from shared.engine.spec_decode.verification import SpecDecodingStats
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.kv_transfer.connector import KVConnector
-from shared.request import Request, RequestStatus
-from shared.stop_rules import check_stop
+from pdserve.shared.engine.scheduler_pause import RequestPausing
+from pdserve.shared.engine.scheduling_policy import admission_order, prefill_urgency
+from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
+from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.stop_rules import check_stop
 
 __all__ = ["Scheduler", "check_stop"]
 

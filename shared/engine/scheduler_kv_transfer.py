@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.kv_transfer.connector import KVConnector
-from shared.request import Request, RequestStatus
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.request import Request, RequestStatus
 
 
 class KVTransferScheduling:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from shared.request import FinishReason, Request, TokenLogprobs
+from pdserve.shared.request import FinishReason, Request, TokenLogprobs
 
 if TYPE_CHECKING:
-    from shared.kv_transfer.handle import KVHandle
+    from pdserve.shared.kv_transfer.handle import KVHandle
 
 
 class ScheduledRequest(NamedTuple):

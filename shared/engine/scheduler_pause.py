@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.request import Request, RequestStatus
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.request import Request, RequestStatus
 
 
 class RequestPausing:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from shared.config import SchedulerConfig
-from shared.engine.core_share import NO_PREFILL
-from shared.request import Request, RequestStatus
+from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.core_share import NO_PREFILL
+from pdserve.shared.request import Request, RequestStatus
 
 
 def validate_request(request: Request, vocab_size: int, max_model_len: int, block_size: int,

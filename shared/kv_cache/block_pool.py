@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from shared.kv_cache.prefix_hash import BlockHash
+from pdserve.shared.kv_cache.prefix_hash import BlockHash
 
 
 class BlockStored(NamedTuple):

@@ -18,9 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from shared.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
-from shared.kv_cache.prefix_hash import NONE_HASH, BlockHash, block_extra_keys, hash_block_tokens
-from shared.request import Request
+from pdserve.shared.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
+from pdserve.shared.kv_cache.prefix_hash import (
+    NONE_HASH,
+    BlockHash,
+    block_extra_keys,
+    hash_block_tokens,
+)
+from pdserve.shared.request import Request
 
 
 @dataclass(slots=True)

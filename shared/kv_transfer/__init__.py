@@ -1,6 +1,6 @@
 """KV transfer between instances: the handle and the chunk codec of paged KV blocks."""
 
-from shared.kv_transfer.codec import (
+from pdserve.shared.kv_transfer.codec import (
     DEFAULT_MAX_CHUNK_BYTES,
     DTYPES,
     ChunkSpec,
@@ -14,7 +14,7 @@ from shared.kv_transfer.codec import (
     plan_chunks,
     write_kv_blocks,
 )
-from shared.kv_transfer.handle import KVHandle
+from pdserve.shared.kv_transfer.handle import KVHandle
 
 __all__ = [
     "DEFAULT_MAX_CHUNK_BYTES",

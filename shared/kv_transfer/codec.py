@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.config import DEFAULT_MAX_CHUNK_BYTES  # re-exported: the per-chunk payload cap
+from pdserve.shared.config import DEFAULT_MAX_CHUNK_BYTES  # re-exported: the per-chunk payload cap
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shared.request import Request, RequestStatus
+from pdserve.shared.request import Request, RequestStatus
 
 __all__ = ["KVConnector", "Sending"]
 

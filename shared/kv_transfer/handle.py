@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from shared.kv_transfer.codec import KVLayout
+from pdserve.shared.kv_transfer.codec import KVLayout
 
 
 class KVHandle(NamedTuple):

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
-from shared.models.rotary import RotaryEmbedding, RotaryInputs, rope_theta_from_config
+from pdserve.kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
+from pdserve.shared.models.rotary import RotaryEmbedding, RotaryInputs, rope_theta_from_config
 
 
 @dataclass(frozen=True, slots=True)

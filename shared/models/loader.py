@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kernels import cpu_fused, cpu_linear
-from shared.models.llama import LlamaArgs, LlamaForCausalLM
+from pdserve.kernels import cpu_fused, cpu_linear
+from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import cpu_fused
+from pdserve.kernels import cpu_fused
 
 
 def rope_parameters(cfg: dict) -> dict:

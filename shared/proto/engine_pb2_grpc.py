@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from shared.proto import engine_pb2 as shared_dot_proto_dot_engine__pb2
+from pdserve.shared.proto import engine_pb2 as pdserve_dot_shared_dot_proto_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in shared/proto/engine_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/shared/proto/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class PrefillServiceStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Prefill',
-                request_serializer=shared_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.FetchKV = channel.unary_stream(
                 '/pdserve.v1.PrefillService/FetchKV',
-                request_serializer=shared_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.KVChunk.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.KVChunk.FromString,
                 _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdserve.v1.PrefillService/ReleaseKV',
-                request_serializer=shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Abort',
-                request_serializer=shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/pdserve.v1.PrefillService/GetState',
-                request_serializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
                 _registered_method=True)
         self.WatchState = channel.unary_stream(
                 '/pdserve.v1.PrefillService/WatchState',
-                request_serializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
                 _registered_method=True)
 
 
@@ -110,33 +110,33 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.PrefillRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillResponse.SerializeToString,
             ),
             'FetchKV': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchKV,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.FetchKVRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.KVChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.FetchKVRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.KVChunk.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
             ),
             'WatchState': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchState,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -164,8 +164,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
-            shared_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -191,8 +191,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/FetchKV',
-            shared_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.KVChunk.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -218,8 +218,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/ReleaseKV',
-            shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -245,8 +245,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Abort',
-            shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -272,8 +272,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/GetState',
-            shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -299,8 +299,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/WatchState',
-            shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -323,28 +323,28 @@ class DecodeServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.DecodeService/Generate',
-                request_serializer=shared_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.TokenChunk.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeService/Abort',
-                request_serializer=shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.SetPaused = channel.unary_unary(
                 '/pdserve.v1.DecodeService/SetPaused',
-                request_serializer=shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/pdserve.v1.DecodeService/GetState',
-                request_serializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
                 _registered_method=True)
         self.WatchState = channel.unary_stream(
                 '/pdserve.v1.DecodeService/WatchState',
-                request_serializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-                response_deserializer=shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
                 _registered_method=True)
 
 
@@ -386,28 +386,28 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.DecodeRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
             ),
             'SetPaused': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPaused,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.SetPausedRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.SetPausedResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
             ),
             'WatchState': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchState,
-                    request_deserializer=shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
-                    response_serializer=shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,8 +435,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Generate',
-            shared_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.TokenChunk.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -462,8 +462,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Abort',
-            shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -489,8 +489,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/SetPaused',
-            shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -516,8 +516,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/GetState',
-            shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -543,8 +543,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/WatchState',
-            shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-            shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from shared.structured_output.params import StructuredOutputsParams
+from pdserve.shared.structured_output.params import StructuredOutputsParams
 
 _WHAT = {"json": "invalid JSON schema", "json_object": "JSON object grammar",
          "regex": "invalid regex", "choice": "invalid choice", "grammar": "invalid grammar",
@@ -64,7 +64,7 @@ class XgrammarBackend:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                from shared.tokenizer import get_tokenizer
+                from pdserve.shared.tokenizer import get_tokenizer
 
                 info = xgr.TokenizerInfo.from_huggingface(
                     get_tokenizer(self.tokenizer_path), vocab_size=self.vocab_size)

@@ -22,9 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
 from typing import Any
 
-from shared.request import Request
-from shared.structured_output.params import StructuredOutputsParams
-from shared.structured_output.request import StructuredOutputRequest
+from pdserve.shared.request import Request
+from pdserve.shared.structured_output.params import StructuredOutputsParams
+from pdserve.shared.structured_output.request import StructuredOutputRequest
 
 DEFAULT_CACHE_SIZE = 128
 """Compiled grammars kept (a JSON schema's is ~0.1-3 MB)."""

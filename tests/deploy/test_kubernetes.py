@@ -129,7 +129,7 @@ def _parse(command: list[str], env: dict[str, str], monkeypatch):
         monkeypatch.delenv(key)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    from services.cli import build_parser
+    from pdserve.services.cli import build_parser
 
     assert command[0] == "pdserve"
     return build_parser().parse_args(command[1:])
@@ -151,7 +151,7 @@ def test_engines_register_their_pod_ip_and_drain_within_the_grace_period(base, r
     plain = {k: e["value"] for k, e in env.items() if "value" in e}
     plain.update(PDSERVE_ADVERTISE_ADDRESS="10.1.2.3", PDSERVE_INTERNAL_TOKEN="t0k3n")
     ns = _parse(c["command"], plain, monkeypatch)
-    from services.common.config import config_from_args
+    from pdserve.services.common.config import config_from_args
 
     config = config_from_args(ns, role)
     (grpc_port,) = [p["containerPort"] for p in c["ports"] if p["name"] == "grpc"]
@@ -243,7 +243,7 @@ def test_autoscaling_overlay_scales_the_engines_on_their_queue(autoscaling):
 def test_the_engine_metric_the_autoscaler_reads_exists():
     from prometheus_client import CollectorRegistry
 
-    from services.common.metrics import ServiceMetrics
+    from pdserve.services.common.metrics import ServiceMetrics
 
     registry = CollectorRegistry()
     ServiceMetrics("m", registry)

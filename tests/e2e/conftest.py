@@ -43,9 +43,9 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def offline_answers(model_path) -> list[Reference]:
-    """shared.llm.LLM's greedy chat answers for PARITY_CASES (built and freed here)."""
-    from shared.llm import LLM
-    from shared.sampling_params import SamplingParams
+    """pdserve.shared.llm.LLM's greedy chat answers for PARITY_CASES (built and freed here)."""
+    from pdserve.shared.llm import LLM
+    from pdserve.shared.sampling_params import SamplingParams
 
     llm = LLM(model_path, **E2E_ENGINE)
     outs = llm.chat(PARITY_CASES, SamplingParams(temperature=0.0,

@@ -34,9 +34,9 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.health import InstanceStatus
-from shared import config as shared_config
-from shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.gateway.health import InstanceStatus
+from pdserve.shared import config as shared_config
+from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.e2e.conftest import Urls
 from tests.procs import ServiceGroup, ServiceProcess
@@ -352,7 +352,7 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster, caplog):
         jsonschema.validate(json.loads(r.text), GUIDED_SCHEMA)
 
     victim = cluster.decodes[0]
-    caplog.set_level(logging.WARNING, logger="services.gateway.failover")
+    caplog.set_level(logging.WARNING, logger="pdserve.services.gateway.failover")
     results = [StreamResult() for _ in PARITY_MESSAGES]
     seeded = [StreamResult() for _ in bodies]
     started = time.monotonic()

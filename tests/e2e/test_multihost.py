@@ -42,7 +42,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.e2e.netns_hosts import Host, HostNetwork, HostProcess, cannot_make_hosts
 from tests.procs import REPO_ROOT
@@ -97,7 +97,7 @@ class Engine:
     def start(self, redis_url: str) -> None:
         port, metrics_port = PORTS[self.role]
         self.process = self.host.start(
-            [sys.executable, "-m", "services.cli", "serve", self.role, "--model", MODEL,
+            [sys.executable, "-m", "pdserve.services.cli", "serve", self.role, "--model", MODEL,
              "--host", "0.0.0.0", "--port", str(port), "--metrics-port", str(metrics_port),
              "--redis-url", redis_url, *ENGINE_FLAGS], env=_env())
 
@@ -206,8 +206,8 @@ def reference(hosts_possible, model_path) -> dict[str, list[Reference]]:
     """The in-process engine's greedy answers (built and freed before the hosts start)."""
     import torch
 
-    from shared.llm import LLM
-    from shared.sampling_params import SamplingParams
+    from pdserve.shared.llm import LLM
+    from pdserve.shared.sampling_params import SamplingParams
 
     started, threads = time.monotonic(), torch.get_num_threads()
     # NOTE: one thread: two OpenMP threads on a busy 2-core machine took 10x as long here.
@@ -249,7 +249,7 @@ def cluster(model_path, reference, tmp_path_factory) -> Iterator[Cluster]:
             e.start(redis_url)
         for g in gateways:
             g.process = g.host.start(
-                [sys.executable, "-m", "services.cli", "serve", "gateway",
+                [sys.executable, "-m", "pdserve.services.cli", "serve", "gateway",
                  "--model", str(g.host.home / "model" / MODEL), "--host", "0.0.0.0",
                  "--port", str(GATEWAY_PORT), "--redis-url", redis_url,
                  "--health-check-interval", "0.5", "--rpc-timeout", "10",

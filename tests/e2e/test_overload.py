@@ -34,8 +34,8 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.gateway.tokenization import load_tokenizer
-from shared.proto import engine_pb2_grpc
+from pdserve.services.gateway.tokenization import load_tokenizer
+from pdserve.shared.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import SERVED_MODEL
 from tests.services.gateway.fake_engine import (
     SCRIPT_TEXT,
@@ -109,7 +109,8 @@ async def gateway_url(model_path, engines, tmp_path_factory) -> AsyncIterator[st
     """`python -m services.gateway` on a free port; killed at the end (also on failure)."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("overload") / "gateway.log"
-    cmd = [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.gateway", "--host", "127.0.0.1",
+           "--port", str(port),
            "--model", model_path, "--served-model-name", SERVED_MODEL,
            "--prefill-url", engines.prefills[0].address,
            "--decode-url", engines.decodes[0].address,

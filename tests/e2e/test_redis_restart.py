@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from tests.e2e.conftest import Urls
 from tests.e2e.soak_helpers import Plan, complete_problems, make_plan, send, shared_prefixes
 from tests.services.gateway.conftest import RunningGateway, running_gateway

@@ -19,8 +19,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from services.gateway.config import read_chat_template
-from shared.proto import engine_pb2 as pb
+from pdserve.services.gateway.config import read_chat_template
+from pdserve.shared.proto import engine_pb2 as pb
 from tests.e2e.conftest import E2E_ENGINE, Urls
 from tests.e2e.structured_schemas import SCHEMAS
 from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
@@ -54,7 +54,7 @@ async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
 
 
 def _prompt(tokenizer, text: str) -> list[int]:
-    from shared.tokenizer import apply_chat_template
+    from pdserve.shared.tokenizer import apply_chat_template
 
     return apply_chat_template(tokenizer, [{"role": "user", "content": text}])
 

@@ -16,8 +16,8 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from services.gateway.tenancy import tenant_cache_salt
-from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.services.gateway.tenancy import tenant_cache_salt
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from tests.e2e.conftest import Urls
 from tests.services.gateway.conftest import RunningGateway, running_gateway
 from tests.services.helpers import (

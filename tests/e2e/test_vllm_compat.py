@@ -95,7 +95,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
     port = _free_port()
     log = tmp / "up.log"
     # --shutdown-timeout 7: the gateway and the engines get 7 - 5 = 2 s of grace.
-    cmd = [sys.executable, "-m", "services.cli", "up", "--log-level", "INFO",
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--log-level", "INFO",
            "--port", str(port), "--api-key", API_KEY, "--chat-template", str(template),
            "--allowed-origins", json.dumps([ORIGIN]), "--metrics-compat", "vllm",
            "--no-cpu-share", "--kv-cache-memory", "256MiB", "--max-model-len", "4096",
@@ -241,12 +241,12 @@ def test_a_second_up_keeps_off_the_first_ones_pinned_cores(stack, tmp_path):
     """The first stack runs --no-cpu-share (prefill and decode pinned to their cores). A
     second `pdserve up` either picks cores nobody pinned (and says which) or, when there are
     none left, refuses with one line, before it starts anything."""
-    from services.launcher.cores import format_cores, pinned_engines
+    from pdserve.services.launcher.cores import format_cores, pinned_engines
 
     first = {c for e in pinned_engines(exclude=(os.getpid(),)) for c in e.cores}
     assert first, "the first stack's engines are not pinned"
     log = tmp_path / "second.log"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(_free_port()),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(_free_port()),
            "--no-cpu-share", "--kv-cache-memory", "128MiB", "--max-model-len", "512"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -259,7 +259,7 @@ def test_a_second_up_keeps_off_the_first_ones_pinned_cores(stack, tmp_path):
         text = log.read_text()
         if "using cores" in text:  # a machine with cores to spare
             used = re.search(r"using cores ([\d,-]+)", text).group(1)
-            from shared.engine_args import parse_cores
+            from pdserve.shared.engine_args import parse_cores
 
             assert not set(parse_cores(used)) & first, text
         else:

@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 import torch
 
-from shared.engine.attn_metadata import AttentionMetadata
+from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 
 class PagedBatch(NamedTuple):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_fused
+from pdserve.kernels import cpu_fused
 
 IS_EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 

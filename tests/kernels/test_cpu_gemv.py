@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv
+from pdserve.kernels import cpu_gemv
 
 pytestmark = pytest.mark.skipif(cpu_gemv.load_kernel() is None,
                                 reason="no C compiler or no AVX-512 here: the GEMV kernel "

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8
+from pdserve.kernels import cpu_int8
 
 
 def _dequant(w8: cpu_int8.Int8Weight) -> torch.Tensor:

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_int8
-from kernels import cpu_int8_vnni as vnni
+from pdserve.kernels import cpu_int8
+from pdserve.kernels import cpu_int8_vnni as vnni
 
 CPUINFO = Path("/proc/cpuinfo")
 HAS_VNNI = CPUINFO.exists() and "avx512_vnni" in CPUINFO.read_text()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from pdserve.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.is_available(),
                                 reason="this torch build has no oneDNN linear ops")
@@ -44,7 +44,7 @@ def test_pack_weight_rejects_what_it_cannot_pack():
 
 
 def test_model_switch_packs_every_linear_and_the_lm_head():
-    from shared.models.llama import Linear, LlamaArgs, LlamaForCausalLM
+    from pdserve.shared.models.llama import Linear, LlamaArgs, LlamaForCausalLM
 
     args = LlamaArgs(vocab_size=64, hidden_size=32, intermediate_size=48,
                      num_hidden_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

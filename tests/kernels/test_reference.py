@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
+from pdserve.kernels import reference
 from tests.kernels.batch_utils import make_paged_batch, random_mixed_lens
 
 

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import reference, torch_paged
-from kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
+from pdserve.kernels import ops, reference, torch_paged
+from pdserve.kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
 from tests.kernels.batch_utils import PagedBatch, make_paged_batch, random_mixed_lens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +64,7 @@ def test_metadata_is_reused_across_layers(use_native: bool) -> None:
         assert torch.equal(layer.block_table, layers[0].block_table)
         assert not torch.equal(layer.query, layers[0].query)
     first = layers[0]
-    metadata = kernels.prepare_torch_metadata(first.attn_metadata, block_size=16, num_kv_heads=2)
+    metadata = ops.prepare_torch_metadata(first.attn_metadata, block_size=16, num_kv_heads=2)
     for layer in layers:
         args = attention_args(layer, 0.2)
         out = torch_paged.paged_attention(*args, torch_metadata=metadata, use_native=use_native)
@@ -91,8 +90,8 @@ def test_prefill_only_batch_through_the_package() -> None:
     seq_lens, query_lens = [40, 70, 33], [40, 20, 7]  # fresh prefill and two chunked ones
     batch = make_paged_batch(seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=16)
     args = attention_args(batch, 0.25)
-    out = kernels.paged_attention(*args, backend="torch")
-    assert_matches_reference(out, kernels.paged_attention(*args, backend="reference"))
+    out = ops.paged_attention(*args, backend="torch")
+    assert_matches_reference(out, ops.paged_attention(*args, backend="reference"))
 
 
 def test_native_kernel_rows_cover_chunked_prefill() -> None:
@@ -121,7 +120,7 @@ def test_native_kernel_rows_cover_chunked_prefill() -> None:
 
 @pytest.mark.parametrize("backend,has_skips", [("torch", None), ("torch", True),
                                                ("reference", None)])
-def test_store_kv_cache_skips_padding(backend: kernels.Backend, has_skips: bool | None
+def test_store_kv_cache_skips_padding(backend: ops.Backend, has_skips: bool | None
                                       ) -> None:
     seq_lens, query_lens = random_mixed_lens(5, 2, max_seq_len=50, max_query_len=12, seed=9)
     batch = make_paged_batch(seq_lens, query_lens, num_kv_heads=2, head_dim=16,
@@ -130,7 +129,7 @@ def test_store_kv_cache_skips_padding(backend: kernels.Backend, has_skips: bool 
     key = torch.randn(num_tokens, 2, 16)
     value = torch.randn(num_tokens, 2, 16)
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend=backend,
+    ops.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend=backend,
                            has_skips=has_skips)
     expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
     for token_idx, slot in enumerate(batch.slot_mapping.tolist()):
@@ -142,7 +141,7 @@ def test_store_kv_cache_skips_padding(backend: kernels.Backend, has_skips: bool 
 
 
 def test_import_is_ours_and_needs_no_triton() -> None:
-    code = ("import sys, kernels; print(kernels.__file__); "
+    code = ("import sys; from pdserve.kernels import ops; print(ops.__file__); "
             "print('triton' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                             text=True, check=True)
@@ -177,7 +176,7 @@ def test_native_kernel_rejects_out_of_bounds_indices() -> None:
 
 
 def test_without_a_compiler_the_torch_ops_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import cpu_native
+    from pdserve.kernels import cpu_native
 
     monkeypatch.setattr(cpu_native, "_find_compiler", lambda: None)
     assert cpu_native.load_native_kernel.__wrapped__(64, 3, 3) is None

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import kernels
+from pdserve.kernels import ops
 from tests.kernels.batch_utils import make_paged_batch, random_mixed_lens
 
 pytestmark = [
@@ -31,8 +31,8 @@ def test_triton_attention_matches_reference(
         head_dim=head_dim, block_size=block_size, num_pad_tokens=3, dtype=dtype,
         device="cuda", seed=seed)
     args = (batch.query, batch.k_cache, batch.v_cache, batch.attn_metadata, head_dim**-0.5)
-    out = kernels.paged_attention(*args, backend="triton")
-    expected = kernels.paged_attention(*args, backend="reference")
+    out = ops.paged_attention(*args, backend="triton")
+    expected = ops.paged_attention(*args, backend="reference")
     assert not out.isnan().any()
     relative_error = float((out.float() - expected.float()).norm() / expected.float().norm())
     assert relative_error < TOLERANCES[dtype], relative_error
@@ -46,9 +46,9 @@ def test_triton_store_matches_reference(dtype: torch.dtype) -> None:
     key = torch.randn(batch.slot_mapping.shape[0], 4, 64, device="cuda", dtype=dtype)
     value = torch.randn_like(key)
     k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend="triton")
+    ops.store_kv_cache(key, value, k_cache, v_cache, batch.slot_mapping, backend="triton")
     expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
-    kernels.store_kv_cache(key, value, expected_k, expected_v, batch.slot_mapping,
+    ops.store_kv_cache(key, value, expected_k, expected_v, batch.slot_mapping,
                            backend="reference")
     torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)

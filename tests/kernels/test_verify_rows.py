@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from kernels import reference, torch_paged
+from pdserve.kernels import ops, reference, torch_paged
 from tests.kernels.batch_utils import make_paged_batch
 
 
@@ -22,7 +21,7 @@ def test_verify_rows_match_reference(use_native: bool) -> None:
                              num_pad_tokens=2, seed=3)
     attn_metadata = dataclasses.replace(batch.attn_metadata, verify_reqs=frozenset({1, 3}))
     args = (batch.query, batch.k_cache, batch.v_cache, attn_metadata, 0.125)
-    metadata = kernels.prepare_torch_metadata(attn_metadata, block_size=16, num_kv_heads=3)
+    metadata = ops.prepare_torch_metadata(attn_metadata, block_size=16, num_kv_heads=3)
     assert len(metadata.prefills) == 1 and metadata.decode_rows.query_rows.numel() == 2 + 4 + 2
     out = torch_paged.paged_attention(*args, torch_metadata=metadata, use_native=use_native)
     expected = reference.paged_attention(*args)

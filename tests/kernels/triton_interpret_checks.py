@@ -13,10 +13,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from kernels import reference  # noqa: E402
-from kernels.triton_decode import paged_decode  # noqa: E402
-from kernels.triton_prefill import paged_prefill  # noqa: E402
-from kernels.triton_store import store_kv_cache  # noqa: E402
+from pdserve.kernels import reference  # noqa: E402
+from pdserve.kernels.triton_decode import paged_decode  # noqa: E402
+from pdserve.kernels.triton_prefill import paged_prefill  # noqa: E402
+from pdserve.kernels.triton_store import store_kv_cache  # noqa: E402
 from tests.kernels.batch_utils import (  # noqa: E402
     PagedBatch,
     make_paged_batch,
@@ -71,12 +71,12 @@ def check_prefill(seed: int) -> float:
 
 def check_mixed(seed: int) -> float:
     """Decodes and prefills in one batch, through the package's triton backend."""
-    import kernels
+    from pdserve.kernels import ops
 
     seq_lens, query_lens = random_mixed_lens(3, 2, max_seq_len=45, max_query_len=12, seed=seed)
     batch = make_paged_batch(seq_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=16,
                              num_pad_tokens=1, seed=seed)
-    out = kernels.paged_attention(batch.query, batch.k_cache, batch.v_cache,
+    out = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache,
                                   batch.attn_metadata, 0.2, backend="triton")
     return relative_error(out, reference_attention(batch, 0.2))
 
@@ -99,10 +99,10 @@ def check_graph_padded_decode(seed: int) -> float:
     model on the reference backend: the outputs and every KV cache after the step."""
     import numpy as np
 
-    from shared.engine.attention import PagedAttention
-    from shared.engine.attn_metadata import build_attn_metadata
-    from shared.engine.cuda_graph import CUDAGraphRunner
-    from shared.models.llama import LlamaArgs, LlamaForCausalLM
+    from pdserve.shared.engine.attention import PagedAttention
+    from pdserve.shared.engine.attn_metadata import build_attn_metadata
+    from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
+    from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 
     torch.manual_seed(seed)
     args = LlamaArgs(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.common.metrics import ServiceMetrics
-from services.gateway.metrics import GatewayMetrics
+from pdserve.services.common.metrics import ServiceMetrics
+from pdserve.services.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"

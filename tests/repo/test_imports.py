@@ -25,6 +25,6 @@ def test_shared_and_kernels_import_nothing_from_services():
         for path in (ROOT / top).rglob("*.py"):
             tree = ast.parse(path.read_text(), filename=str(path))
             offenders += [f"{path.relative_to(ROOT)}: {name}" for name in _imported_modules(tree)
-                          if name == "services" or name.startswith("services.")]
+                          if name == "pdserve.services" or name.startswith("pdserve.services.")]
     assert not offenders, "shared/ and kernels/ must not import services/: " + \
         ", ".join(offenders)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import kernels
-import shared
+from pdserve.kernels import ops
+from pdserve.shared import llm
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODULE_LINES = 400
 
 
-def test_kernels_and_shared_resolve_inside_the_repository():
-    # `kernels` and `shared` are also PyPI distribution names; ours must win.
-    assert Path(kernels.__file__).resolve().is_relative_to(ROOT)
-    assert Path(shared.__file__).resolve().is_relative_to(ROOT)
+def test_the_namespace_resolves_inside_the_repository():
+    # The editable install maps pdserve.kernels to kernels/, pdserve.shared to shared/.
+    assert Path(ops.__file__).resolve().is_relative_to(ROOT / "kernels")
+    assert Path(llm.__file__).resolve().is_relative_to(ROOT / "shared")
 
 
 def test_modules_stay_under_the_size_cap():
@@ -33,11 +33,11 @@ def test_generated_proto_stubs_are_current(tmp_path):
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "--proto_path=.",
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "--proto_path=pdserve=.",
                     f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
-                    f"--grpc_python_out={tmp_path}", "shared/proto/engine.proto"],
+                    f"--grpc_python_out={tmp_path}", "pdserve/shared/proto/engine.proto"],
                    cwd=ROOT, check=True)
     for name in ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py"):
-        fresh = (tmp_path / "shared" / "proto" / name).read_text()
+        fresh = (tmp_path / "pdserve" / "shared" / "proto" / name).read_text()
         assert fresh == (ROOT / "shared" / "proto" / name).read_text(), (
             f"shared/proto/{name} is stale: run `make proto`")

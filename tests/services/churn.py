@@ -7,13 +7,13 @@ from __future__ import annotations
 import random
 import time
 
-from services.common.state_feed import Counters, LoopSide, StateFeed, feed_op
-from services.common.worker import EngineState, stats_op
-from shared.config import SchedulerConfig
-from shared.engine.scheduler import Scheduler
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.services.common.state_feed import Counters, LoopSide, StateFeed, feed_op
+from pdserve.services.common.worker import EngineState, stats_op
+from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 
 class ChurnEngine:

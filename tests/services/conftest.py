@@ -25,6 +25,6 @@ async def cluster(model_path, redis_server) -> AsyncIterator[Cluster]:
 @pytest.fixture(scope="session")
 def reference_llm(model_path):
     """The single-process engine the split must match token for token."""
-    from shared.llm import LLM
+    from pdserve.shared.llm import LLM
 
     return LLM(model_path, kv_cache_memory="128MiB")

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.config import ServiceConfig
-from services.common.launch import build_runtime
-from services.common.server import ServiceRuntime
-from shared.engine_args import EngineArgs
-from shared.prefix_index import PrefixIndex
-from shared.proto import engine_pb2 as pb
-from shared.proto import engine_pb2_grpc
+from pdserve.services.common.config import ServiceConfig
+from pdserve.services.common.launch import build_runtime
+from pdserve.services.common.server import ServiceRuntime
+from pdserve.shared.engine_args import EngineArgs
+from pdserve.shared.prefix_index import PrefixIndex
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.proto import engine_pb2_grpc
 
 RPC_TIMEOUT = 120.0
 """Deadline of every test call: generous, the machine is shared and slow at times."""

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
-from services.common import advertise
-from services.common.advertise import advertise_address, split_host_port
-from services.common.config import ServiceConfig
+from pdserve.services.common import advertise
+from pdserve.services.common.advertise import advertise_address, split_host_port
+from pdserve.services.common.config import ServiceConfig
 
 
 @pytest.mark.parametrize(("given", "expected"), [

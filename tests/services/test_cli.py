@@ -10,7 +10,8 @@ import pytest
 
 
 def _pdserve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "--log-level", "WARNING", *args,
+    return subprocess.run([sys.executable, "-m", "pdserve.services.cli", "--log-level", "WARNING",
+                           *args,
                            "--kv-cache-memory", "64MiB", "--max-model-len", "256"],
                           capture_output=True, text=True, timeout=300)
 
@@ -41,8 +42,8 @@ def test_generate_bad_input_exits_2_with_the_field_named(model_path):
 def test_vllm_style_command_lines_parse():
     """`pdserve serve MODEL` is `pdserve up --model MODEL` (as `vllm serve MODEL`); global
     flags work after the subcommand too; the gateway's compat flags reach `up`."""
-    from services.cli import build_parser, normalize_argv
-    from services.launcher.config import config_from_args
+    from pdserve.services.cli import build_parser, normalize_argv
+    from pdserve.services.launcher.config import config_from_args
 
     parser = build_parser()
     args, level = normalize_argv(["serve", "/models/x", "--port", "9000", "--log-level",
@@ -70,10 +71,10 @@ def test_a_vllm_serve_command_line_runs_here(model_path):
     """The flags a `vllm serve` command line commonly carries parse; --dtype's vLLM values
     resolve (auto: float32 on CPU); parallel sizes other than 1 are refused by name; the
     engines get the flags back from `pdserve up` unchanged."""
-    from services.cli import build_parser, normalize_argv
-    from services.launcher.config import config_from_args
-    from services.launcher.plan import engine_flags
-    from shared.engine_args import EngineArgs
+    from pdserve.services.cli import build_parser, normalize_argv
+    from pdserve.services.launcher.config import config_from_args
+    from pdserve.services.launcher.plan import engine_flags
+    from pdserve.shared.engine_args import EngineArgs
 
     parser = build_parser()
     args, _ = normalize_argv(["serve", model_path, "--dtype", "auto", "-tp", "1",
@@ -97,8 +98,8 @@ def test_a_vllm_serve_command_line_runs_here(model_path):
 
 def test_seed_reaches_the_sampler(model_path):
     """--seed (vLLM's server seed) seeds the sampler's generator of unseeded requests."""
-    from services.cli import build_parser
-    from shared.engine_args import EngineArgs
+    from pdserve.services.cli import build_parser
+    from pdserve.shared.engine_args import EngineArgs
 
     ns = build_parser().parse_args(["serve", "decode", "--model", model_path, "--seed", "1234"])
     args = EngineArgs.from_cli_args(ns)

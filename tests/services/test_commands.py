@@ -10,8 +10,8 @@ import sys
 import time
 import urllib.request
 
-from services.cli import build_parser
-from services.cli import main as cli_main
+from pdserve.services.cli import build_parser
+from pdserve.services.cli import main as cli_main
 from tests.services.helpers import free_port
 
 
@@ -34,7 +34,8 @@ def test_prefill_process_serves_and_drains_on_sigterm(model_path, tmp_path):
     port, metrics_port = free_port(), free_port()
     log = open(tmp_path / "prefill.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.prefill", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "pdserve.services.prefill", "--host", "127.0.0.1",
+         "--port", str(port),
          "--metrics-port", str(metrics_port), "--model", model_path,
          "--kv-cache-memory", "64MiB", "--grace-period", "5"],
         env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log, stderr=subprocess.STDOUT)

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from shared.proto import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS, TEST_QUANTIZATION
 from tests.services.helpers import RPC_TIMEOUT, greedy, run_split, wait_leak_free
 

@@ -14,10 +14,10 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli import main as cli_main
-from services.common.launch import build_runtime, engine_loader
-from shared.proto import engine_pb2 as pb
-from shared.proto import engine_pb2_grpc
+from pdserve.services.cli import main as cli_main
+from pdserve.services.common.launch import build_runtime, engine_loader
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.proto import engine_pb2_grpc
 from tests.services.helpers import (
     RPC_TIMEOUT,
     Cluster,

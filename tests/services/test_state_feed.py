@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
-from services.common.state_feed import (
+from pdserve.services.common.state_feed import (
     BLOCK_CACHED,
     BLOCK_NULL,
     BLOCK_PINNED,
@@ -16,7 +16,7 @@ from services.common.state_feed import (
     block_state,
     count_states,
 )
-from shared.kv_cache.block_pool import BlockPool
+from pdserve.shared.kv_cache.block_pool import BlockPool
 from tests.services.churn import ChurnEngine, feed
 
 
@@ -153,8 +153,8 @@ def test_a_100000_block_snapshot_is_one_byte_per_block():
     engine = ChurnEngine(num_blocks=100_000, seed=5)
     engine.add(20)
     engine.step()
-    from services.common.state_feed import feed_op
-    from services.common.worker import stats_op
+    from pdserve.services.common.state_feed import feed_op
+    from pdserve.services.common.worker import stats_op
 
     sample = feed_op(engine, True, stats_op)
     assert len(sample.block_states) == 100_000

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared.proto import engine_pb2
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
-from shared.stop_rules import at_length_limit, check_stop, check_stop_token, num_tokens_left
+from pdserve.shared.proto import engine_pb2
+from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.stop_rules import at_length_limit, check_stop, check_stop_token, num_tokens_left
 
 EOS, STOP_ID, OTHER = 2, 7, 9
 STOPPED, CAPPED = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED

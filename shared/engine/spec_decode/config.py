@@ -98,7 +98,7 @@ class SpeculativeConfig:
 
 def _parse_size(value: Any) -> int:
     """draft_kv_cache_memory: bytes as an int, or a size such as "256MiB"."""
-    from shared.engine_args import parse_size
+    from pdserve.shared.engine_args import parse_size
 
     try:
         size = parse_size(value) if isinstance(value, (int, str)) and \
@@ -122,8 +122,8 @@ def check_draft_model(config: SpeculativeConfig, target_vocab_size: int,
     """
     if config.model is None:
         return
-    from shared.models.convert import resolve_model_path
-    from shared.models.loader import read_hf_config
+    from pdserve.shared.models.convert import resolve_model_path
+    from pdserve.shared.models.loader import read_hf_config
 
     try:
         hf = read_hf_config(resolve_model_path(config.model))

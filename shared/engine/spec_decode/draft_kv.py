@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.kv_cache.block_pool import BlockPool, KVCacheBlock
-from shared.request import Request
+from pdserve.shared.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pdserve.shared.request import Request
 
 
 @dataclass(slots=True)

@@ -29,13 +29,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from shared.config import ModelConfig
-from shared.engine.attention import PagedAttention
-from shared.engine.attn_metadata import build_attn_metadata
-from shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
-from shared.engine.spec_decode.draft_kv import DraftKVCache
-from shared.models.loader import load_model
-from shared.request import Request
+from pdserve.shared.config import ModelConfig
+from pdserve.shared.engine.attention import PagedAttention
+from pdserve.shared.engine.attn_metadata import build_attn_metadata
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
+from pdserve.shared.engine.spec_decode.draft_kv import DraftKVCache
+from pdserve.shared.models.loader import load_model
+from pdserve.shared.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ class DraftModelProposer:
 
     def __init__(self, config: SpeculativeConfig, model_config: ModelConfig,
                  model_runner) -> None:
-        from shared.engine.model_runner import kv_cache_bytes_per_block
-        from shared.models.convert import resolve_model_path
+        from pdserve.shared.engine.model_runner import kv_cache_bytes_per_block
+        from pdserve.shared.models.convert import resolve_model_path
 
         assert config.model is not None
         self.k = config.num_speculative_tokens

@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from shared.engine.spec_decode.config import SpeculativeConfig
-from shared.request import Request
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.request import Request
 
 
 class NgramProposer:

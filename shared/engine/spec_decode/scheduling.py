@@ -19,17 +19,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from shared.engine.spec_decode.config import SpeculativeConfig
-from shared.engine.spec_decode.ngram_proposer import NgramProposer
-from shared.engine.spec_decode.verification import (
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.engine.spec_decode.ngram_proposer import NgramProposer
+from pdserve.shared.engine.spec_decode.verification import (
     SpecDecodingStats,
     can_speculate,
     max_num_drafts,
     num_accepted_drafts,
 )
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.request import Request, RequestStatus
-from shared.stop_rules import check_stop
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.stop_rules import check_stop
 
 
 def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int) -> int:
@@ -97,7 +97,7 @@ def make_proposer(config: SpeculativeConfig, model_config, model_runner) -> Prop
         ValueError: a draft model whose vocabulary differs from the target's.
     """
     if config.method == "draft_model":
-        from shared.engine.spec_decode.draft_model import DraftModelProposer
+        from pdserve.shared.engine.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, model_config, model_runner)
     return NgramProposer(config)

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shared.request import Request
-from shared.stop_rules import num_tokens_left
+from pdserve.shared.request import Request
+from pdserve.shared.stop_rules import num_tokens_left
 
 
 def num_accepted_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> int:

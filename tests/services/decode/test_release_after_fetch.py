@@ -16,8 +16,8 @@ import time
 import grpc
 import pytest
 
-from shared.proto import engine_pb2 as pb
-from shared.sampling_params import SamplingParams
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.sampling_params import SamplingParams
 from tests.services.helpers import RPC_TIMEOUT, greedy, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -70,7 +70,7 @@ def _free_cached_op(engine, block_ids: list[int], block_hashes: list[bytes]) -> 
 
 async def test_prefill_blocks_are_released_while_the_decode_runs(
         cluster, parity_prompt_ids, reference_llm, short_pin_ttl, releases, caplog):
-    caplog.set_level(logging.INFO, logger="services.prefill.worker")
+    caplog.set_level(logging.INFO, logger="pdserve.services.prefill.worker")
     prompt = parity_prompt_ids[0]
     # Before anything is in flight: the reference blocks this (the services') event loop.
     ref = reference_llm.generate([{"prompt_token_ids": prompt}],

@@ -17,10 +17,10 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import ServiceConfig
-from services.common.worker import STATE_WAIT_S
-from shared.proto import engine_pb2 as pb
-from shared.proto import engine_pb2_grpc
+from pdserve.services.common.config import ServiceConfig
+from pdserve.services.common.worker import STATE_WAIT_S
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import running_gateway
 from tests.services.helpers import (
     RPC_TIMEOUT,
@@ -177,7 +177,7 @@ class _Clock:
 async def test_watchdog_tells_a_long_step_from_a_stall():
     """A running step is work for up to IN_STEP_FACTOR x stall_timeout; a loop that starts no
     step with work queued is a stall after stall_timeout."""
-    from services.common.readiness import IN_STEP_FACTOR, StallWatchdog
+    from pdserve.services.common.readiness import IN_STEP_FACTOR, StallWatchdog
 
     changes: list[bool] = []
 
@@ -199,7 +199,7 @@ async def test_watchdog_tells_a_long_step_from_a_stall():
 
 
 async def test_watchdog_turns_not_serving_after_three_failing_steps():
-    from services.common.readiness import FAILING_STEPS_NOT_SERVING, StallWatchdog
+    from pdserve.services.common.readiness import FAILING_STEPS_NOT_SERVING, StallWatchdog
 
     changes: list[bool] = []
 

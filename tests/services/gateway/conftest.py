@@ -24,10 +24,10 @@ import pytest
 import pytest_asyncio
 import uvicorn
 
-from services.gateway.app import build_app
-from services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
-from services.gateway.config import GatewayConfig
-from services.gateway.tokenization import load_tokenizer
+from pdserve.services.gateway.app import build_app
+from pdserve.services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.tokenization import load_tokenizer
 from tests.services.gateway.fake_engine import (
     SCRIPT_TEXT,
     FakeCluster,

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from services.gateway.__main__ import build_parser
-from services.gateway.admin import ADMIN_PATH_PREFIXES, is_admin_path
-from services.gateway.config import config_from_cli_args
-from services.gateway.middleware import PUBLIC_ROUTES
-from services.gateway.routes import ROUTES
+from pdserve.services.gateway.__main__ import build_parser
+from pdserve.services.gateway.admin import ADMIN_PATH_PREFIXES, is_admin_path
+from pdserve.services.gateway.config import config_from_cli_args
+from pdserve.services.gateway.middleware import PUBLIC_ROUTES
+from pdserve.services.gateway.routes import ROUTES
 from tests.services.gateway.helpers import assert_error_object, chat_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

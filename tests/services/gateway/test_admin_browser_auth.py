@@ -9,7 +9,7 @@ import base64
 import pytest
 import pytest_asyncio
 
-from services.gateway.admin import BROWSER_CHALLENGE
+from pdserve.services.gateway.admin import BROWSER_CHALLENGE
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.admission import AdmissionQueue, QueueFullError
-from services.gateway.errors import GatewayError
+from pdserve.services.gateway.admission import AdmissionQueue, QueueFullError
+from pdserve.services.gateway.errors import GatewayError
 
 
 def test_admission_counts_waiting_running_and_tokens():

@@ -9,11 +9,11 @@ import logging
 import pytest
 import pytest_asyncio
 
-from services.gateway.__main__ import build_parser
-from services.gateway.config import config_from_cli_args, split_api_keys
-from services.gateway.middleware import PUBLIC_ROUTES
-from services.gateway.routes import ROUTES
-from services.gateway.tenancy import request_cache_salt, tenant_cache_salt
+from pdserve.services.gateway.__main__ import build_parser
+from pdserve.services.gateway.config import config_from_cli_args, split_api_keys
+from pdserve.services.gateway.middleware import PUBLIC_ROUTES
+from pdserve.services.gateway.routes import ROUTES
+from pdserve.services.gateway.tenancy import request_cache_salt, tenant_cache_salt
 from tests.services.gateway.helpers import CHAT, COMPLETIONS, assert_error_object, chat_body
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

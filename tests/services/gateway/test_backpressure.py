@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from services.gateway.backpressure import StreamBacklog
+from pdserve.services.gateway.backpressure import StreamBacklog
 
 pytestmark = pytest.mark.asyncio
 
@@ -71,8 +71,8 @@ async def test_no_limit_never_cuts_and_close_stops_the_producer():
 
 
 async def test_a_stream_behind_is_paused_then_resumed_when_the_writer_catches_up(monkeypatch):
-    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_S", 0.005)
-    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_MAX_S", 0.005)
+    monkeypatch.setattr("pdserve.services.gateway.backpressure.PAUSE_POLL_S", 0.005)
+    monkeypatch.setattr("pdserve.services.gateway.backpressure.PAUSE_POLL_MAX_S", 0.005)
     closed: list[str] = []
     calls: list[bool] = []
     pauses: list[int] = []
@@ -116,8 +116,8 @@ async def test_a_stream_behind_is_paused_then_resumed_when_the_writer_catches_up
 
 
 async def test_a_stream_paused_too_long_is_cut_and_its_run_closed(monkeypatch):
-    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_S", 0.005)
-    monkeypatch.setattr("services.gateway.backpressure.PAUSE_POLL_MAX_S", 0.005)
+    monkeypatch.setattr("pdserve.services.gateway.backpressure.PAUSE_POLL_S", 0.005)
+    monkeypatch.setattr("pdserve.services.gateway.backpressure.PAUSE_POLL_MAX_S", 0.005)
     closed: list[str] = []
     cuts: list[int] = []
     calls: list[bool] = []
@@ -177,7 +177,7 @@ async def test_a_pause_that_finds_no_request_is_asked_again():
 
 
 async def test_engine_ids_map_back_to_their_streams_prefix():
-    from services.gateway.channel_pool import _ENGINE_ID_RE
+    from pdserve.services.gateway.channel_pool import _ENGINE_ID_RE
 
     for rid, prefix in (("0a1b-0", "0a1b"), ("0a1b-12-retry2", "0a1b"),
                         ("client-id-1234abcd-3", "client-id-1234abcd"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.chat_encoding import encode_chat
+from pdserve.shared.chat_encoding import encode_chat
 from tests.conftest import PARITY_MESSAGES
 
 ORDINARY = PARITY_MESSAGES + [

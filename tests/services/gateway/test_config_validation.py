@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.gateway.__main__ import build_parser, main
-from services.gateway.config import GatewayConfig, config_from_cli_args
+from pdserve.services.gateway.__main__ import build_parser, main
+from pdserve.services.gateway.config import GatewayConfig, config_from_cli_args
 
 REPO = Path(__file__).resolve().parents[3]
 BAD_FLAGS = [
@@ -69,7 +69,7 @@ def test_cli_prints_one_line_and_exits_2(model_path, capsys):
 def test_cli_process_has_no_traceback(model_path):
     """The real entry point, as `python -m services.gateway` runs it."""
     proc = subprocess.run(
-        [sys.executable, "-m", "services.gateway", "--model", model_path,
+        [sys.executable, "-m", "pdserve.services.gateway", "--model", model_path,
          "--max-request-retries", "-3"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.detokenizer import IncrementalDetokenizer
-from services.gateway.tokenization import GatewayTokenizer
+from pdserve.services.gateway.detokenizer import IncrementalDetokenizer
+from pdserve.services.gateway.tokenization import GatewayTokenizer
 
 TEXTS = [
     "Hello 🙂 world 🎉🎉 done",

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from services.gateway import health as health_module
-from services.gateway import placement as placement_module
-from services.gateway.channel_pool import ChannelPool
-from services.gateway.health import HealthTracker, InstanceStatus
-from services.gateway.placement import Placer
-from shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.gateway import health as health_module
+from pdserve.services.gateway import placement as placement_module
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.services.gateway.health import HealthTracker, InstanceStatus
+from pdserve.services.gateway.placement import Placer
+from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 
 
 @dataclass
@@ -66,7 +66,7 @@ async def test_instances_that_join_are_placed_on_and_expired_ones_are_not(monkey
 async def test_a_short_shared_prefix_does_not_outweigh_load(monkeypatch):
     """Every chat prompt starts with the template's system prompt: the decode that cached
     those blocks first must not get all traffic (a joined decode would never get any)."""
-    from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+    from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 
     class Held(MutableRegistry):
         held: dict[str, int]

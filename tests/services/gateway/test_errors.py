@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.gateway.errors import from_grpc_error
+from pdserve.services.gateway.errors import from_grpc_error
 from tests.services.gateway.fake_engine import start_fake_cluster
 from tests.services.gateway.helpers import (
     CHAT,
@@ -172,7 +172,7 @@ async def test_engine_status_mapping(gateway, code, status, where, monkeypatch):
     if (where, code) == ("decode", grpc.StatusCode.RESOURCE_EXHAUSTED):
         # A full decode after the prefill's first token: the request waits for room
         # (test_failover_unit.py); here the wait runs out: 503, not a 429.
-        from services.gateway import failover
+        from pdserve.services.gateway import failover
 
         monkeypatch.setattr(failover, "OVERLOAD_MAX_WAIT_S", 0.3)
         status = 503

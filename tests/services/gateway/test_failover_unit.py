@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2
 
-from services.gateway.health import HealthTracker, InstanceStatus
+from pdserve.services.gateway.health import HealthTracker, InstanceStatus
 from tests.services.gateway.conftest import running_gateway
 from tests.services.gateway.fake_engine import FakeCluster, start_fake_cluster
 from tests.services.gateway.helpers import (
@@ -160,7 +160,7 @@ async def test_a_full_decode_makes_a_started_request_wait_not_fail(model_path, c
 
 
 async def test_decodes_full_for_too_long_end_with_503(model_path, cluster2, monkeypatch):
-    from services.gateway import failover
+    from pdserve.services.gateway import failover
 
     monkeypatch.setattr(failover, "OVERLOAD_MAX_WAIT_S", 1.0)
     async with running_gateway(model_path, cluster2) as gw:

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.metrics import EngineStats, ServiceMetrics
-from services.gateway.federation import MetricsFederation
-from services.gateway.metrics import GatewayMetrics
-from shared.prefix_index import InstanceInfo, PrefixIndex
+from pdserve.services.common.metrics import EngineStats, ServiceMetrics
+from pdserve.services.gateway.federation import MetricsFederation
+from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 from tests.services.helpers import RedisServer, free_port
 
 pytestmark = [

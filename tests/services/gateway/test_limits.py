@@ -12,9 +12,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.gateway import serving
-from services.gateway.admission import AdmissionQueue
-from services.gateway.openapi import openapi_path
+from pdserve.services.gateway import serving
+from pdserve.services.gateway.admission import AdmissionQueue
+from pdserve.services.gateway.openapi import openapi_path
 from tests.services.gateway.conftest import running_gateway
 from tests.services.gateway.helpers import (
     CHAT,

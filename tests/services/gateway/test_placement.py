@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.gateway.placement import Placement, Placer
-from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.services.gateway.placement import Placement, Placer
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 
 BLOCK = 16
 

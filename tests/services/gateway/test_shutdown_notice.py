@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.gateway.shutdown import ServerShutdown, ShutdownNotice
+from pdserve.services.gateway.shutdown import ServerShutdown, ShutdownNotice
 
 
 async def _source(events: list[str], started: asyncio.Event):

@@ -9,8 +9,8 @@ import tracemalloc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.config import GatewayConfig
-from services.gateway.stop_checker import StopChecker, StopTable
+from pdserve.services.gateway.config import GatewayConfig
+from pdserve.services.gateway.stop_checker import StopChecker, StopTable
 
 
 def _run(stop, pieces, include=False):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.errors import GatewayError
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.structured_outputs import resolve_structured_outputs
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from services.gateway.errors import GatewayError
-from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.tool_parser import ToolCallStream, extract_tool_calls
-from services.gateway.tools import resolve_tool_mode
+from pdserve.services.gateway.errors import GatewayError
+from pdserve.services.gateway.protocol import ChatCompletionRequest
+from pdserve.services.gateway.tool_parser import ToolCallStream, extract_tool_calls
+from pdserve.services.gateway.tools import resolve_tool_mode
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {}]}}\n' \
        '</tool_call>'
@@ -108,8 +108,8 @@ def test_forced_modes_carry_a_structural_tag():
 
 
 def test_the_shipped_template_renders_tools_and_nothing_else_differently(fast_tokenizer):
-    from services.gateway.config import read_chat_template
-    from services.gateway.tokenization import GatewayTokenizer
+    from pdserve.services.gateway.config import read_chat_template
+    from pdserve.services.gateway.tokenization import GatewayTokenizer
 
     template = read_chat_template("tool_chat_template_smollm2_hermes.jinja")
     assert not GatewayTokenizer(fast_tokenizer).renders_tools  # the model's own template

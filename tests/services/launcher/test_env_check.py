@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from services.cli import build_parser
-from services.common.env_check import check_environment, flag_actions
+from pdserve.services.cli import build_parser
+from pdserve.services.common.env_check import check_environment, flag_actions
 
 BAD = {
     "PDSERVE_PORT": ("abc", "expected an integer"),
@@ -34,7 +34,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", list(BAD)[:6])
 def test_pdserve_up_refuses_a_bad_value_in_one_line(name):
     value, why = BAD[name]
-    done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--port", "1"],
+    done = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "up", "--port", "1"],
                           capture_output=True, text=True, timeout=120,
                           env=_clean_env(**{name: value}))
     assert done.returncode == 2, (done.stdout, done.stderr)
@@ -45,8 +45,9 @@ def test_pdserve_up_refuses_a_bad_value_in_one_line(name):
 @pytest.mark.parametrize("command", [["serve", "prefill"], ["serve", "decode"],
                                      ["serve", "gateway"]])
 def test_each_service_refuses_a_bad_value_in_one_line(command):
-    done = subprocess.run([sys.executable, "-m", "services.cli", *command], capture_output=True,
-                          text=True, timeout=120, env=_clean_env(PDSERVE_BLOCK_SIZE="16x"))
+    done = subprocess.run([sys.executable, "-m", "pdserve.services.cli", *command],
+                          capture_output=True, text=True, timeout=120,
+                          env=_clean_env(PDSERVE_BLOCK_SIZE="16x"))
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("error: PDSERVE_BLOCK_SIZE='16x': expected an integer")
 

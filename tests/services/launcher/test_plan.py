@@ -8,13 +8,13 @@ import shlex
 
 import pytest
 
-from services.cli import build_parser
-from services.launcher.config import add_up_args, config_from_args
-from services.launcher.cores import distribute, format_cores, split_cores
-from services.launcher.plan import build_plan, child_env, engine_flags
-from services.launcher.up import curl_line
-from shared.engine.core_share import default_board_path
-from shared.engine_args import EngineArgs
+from pdserve.services.cli import build_parser
+from pdserve.services.launcher.config import add_up_args, config_from_args
+from pdserve.services.launcher.cores import distribute, format_cores, split_cores
+from pdserve.services.launcher.plan import build_plan, child_env, engine_flags
+from pdserve.services.launcher.up import curl_line
+from pdserve.shared.engine.core_share import default_board_path
+from pdserve.shared.engine_args import EngineArgs
 
 
 def _config(*argv: str):
@@ -77,7 +77,7 @@ def test_plan_on_two_cores(monkeypatch):
     parser = build_parser()
     prefill, decode = plan.children[1], plan.children[2]
     for spec, role in ((prefill, "prefill"), (decode, "decode")):
-        assert spec.argv[:3] == ("python", "-m", "services.cli")
+        assert spec.argv[:3] == ("python", "-m", "pdserve.services.cli")
         ns = parser.parse_args(list(spec.argv[3:]))
         assert (ns.command, ns.serve_role) == ("serve", role)
         assert ns.host == "127.0.0.1" and ns.redis_url == plan.redis_url
@@ -140,7 +140,7 @@ def test_gateway_flags_pass_through():
     # The gateway's own parser accepts the argv the launcher builds.
     import argparse
 
-    from services.gateway.config import add_cli_args
+    from pdserve.services.gateway.config import add_cli_args
 
     ns = add_cli_args(argparse.ArgumentParser()).parse_args(
         list(gateway[gateway.index("serve") + 2:]))
@@ -173,13 +173,13 @@ def test_curl_line_pastes_as_is():
 
 
 def test_avoid_pinned_cores_of_other_engines():
-    from services.launcher.cores import PinnedEngine, _engine_role, avoid_pinned
+    from pdserve.services.launcher.cores import PinnedEngine, _engine_role, avoid_pinned
 
-    assert _engine_role(["python", "-m", "services.cli", "--log-level", "INFO", "serve",
+    assert _engine_role(["python", "-m", "pdserve.services.cli", "--log-level", "INFO", "serve",
                          "decode", "--port", "1"]) == "decode"
     assert _engine_role(["/usr/bin/pdserve", "serve", "prefill"]) == "prefill"
-    assert _engine_role(["python", "-m", "services.prefill"]) == "prefill"
-    assert _engine_role(["python", "-m", "services.cli", "serve", "gateway"]) is None
+    assert _engine_role(["python", "-m", "pdserve.services.prefill"]) == "prefill"
+    assert _engine_role(["python", "-m", "pdserve.services.cli", "serve", "gateway"]) is None
     others = [PinnedEngine(11, "prefill", (0,)), PinnedEngine(12, "decode", (1,))]
     assert avoid_pinned((0, 1, 2, 3), []) == ((0, 1, 2, 3), None)
     free, reason = avoid_pinned((0, 1, 2, 3), others)

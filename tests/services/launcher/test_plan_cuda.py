@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from services.cli import build_parser
-from services.launcher.config import config_from_args
-from services.launcher.cores import format_cores
-from services.launcher.plan import build_plan
-from shared.engine_args import EngineArgs
+from pdserve.services.cli import build_parser
+from pdserve.services.launcher.config import config_from_args
+from pdserve.services.launcher.cores import format_cores
+from pdserve.services.launcher.plan import build_plan
+from pdserve.shared.engine_args import EngineArgs
 
 
 def _engines(*argv: str) -> list[tuple[tuple[int, ...], EngineArgs]]:

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from services.launcher import prereqs
-from services.launcher.prereqs import SetupError, ensure_model, ensure_redis_server
+from pdserve.services.launcher import prereqs
+from pdserve.services.launcher.prereqs import SetupError, ensure_model, ensure_redis_server
 
 
 @pytest.fixture

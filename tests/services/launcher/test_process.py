@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from services.launcher.process import ChildProcess, LogSink
+from pdserve.services.launcher.process import ChildProcess, LogSink
 
 
 def _gone(pid: int) -> bool:
@@ -104,7 +104,7 @@ def test_terminate_and_kill_reach_the_whole_group():
 def test_children_die_with_a_killed_launcher(tmp_path):
     launcher = textwrap.dedent("""
         import os, sys, time
-        from services.launcher.process import ChildProcess, LogSink
+        from pdserve.services.launcher.process import ChildProcess, LogSink
         child = ChildProcess("sleep", ["sleep", "300"], os.environ, LogSink(sys.stderr))
         child.start()
         print(child.pid, flush=True)

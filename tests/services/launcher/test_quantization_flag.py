@@ -7,10 +7,10 @@ import argparse
 
 import pytest
 
-from services.cli import build_parser
-from services.launcher.config import config_from_args
-from services.launcher.plan import build_plan
-from shared.engine_args import EngineArgs
+from pdserve.services.cli import build_parser
+from pdserve.services.launcher.config import config_from_args
+from pdserve.services.launcher.plan import build_plan
+from pdserve.shared.engine_args import EngineArgs
 
 
 def _engine_args_of_children(*argv: str) -> dict[str, EngineArgs]:

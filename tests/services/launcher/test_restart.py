@@ -40,12 +40,12 @@ SERVER = textwrap.dedent("""
 
 LAUNCHER = textwrap.dedent("""
     import json, os, sys
-    from services.launcher.config import UpConfig
-    from services.launcher.plan import ChildSpec, Plan, Probe
-    from services.launcher.process import LogSink
-    from services.launcher.supervise import Backoff
-    from services.launcher.up import Launcher
-    from shared.engine_args import EngineArgs
+    from pdserve.services.launcher.config import UpConfig
+    from pdserve.services.launcher.plan import ChildSpec, Plan, Probe
+    from pdserve.services.launcher.process import LogSink
+    from pdserve.services.launcher.supervise import Backoff
+    from pdserve.services.launcher.up import Launcher
+    from pdserve.shared.engine_args import EngineArgs
     server, ports, initial = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
     children = tuple(
         ChildSpec(name, (sys.executable, "-c", server, str(port)),

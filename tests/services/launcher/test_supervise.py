@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import build_parser
-from services.launcher.config import config_from_args
-from services.launcher.supervise import Backoff, Supervisor
+from pdserve.services.cli import build_parser
+from pdserve.services.launcher.config import config_from_args
+from pdserve.services.launcher.supervise import Backoff, Supervisor
 
 
 def _config(*argv: str):

@@ -159,7 +159,7 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
 
     port = _free_port()
     log = tmp_path / "up.log"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+    cmd = [sys.executable, "-m", "pdserve.services.cli", "up", "--port", str(port),
            "--kv-cache-memory", "256MiB", "--max-model-len", "1024", "--max-num-seqs", "8",
            "--api-key", API_KEY, "--shutdown-timeout", "60",
            "--startup-timeout", str(STARTUP_TIMEOUT)]
@@ -223,8 +223,8 @@ def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path, flags
     config and its draft's config.json too): one line and exit 1, with no child started and
     no traceback (a decode restarted forever on a bad --speculative-config before)."""
     port = _free_port()
-    done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--model", model_path,
-                           "--port", str(port), *flags],
+    done = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "up",
+                           "--model", model_path, "--port", str(port), *flags],
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     out = done.stdout + done.stderr

@@ -18,9 +18,9 @@ import pytest
 import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.gateway.channel_pool import ChannelPool
-from shared.proto import engine_pb2 as pb
-from shared.proto import engine_pb2_grpc
+from pdserve.services.gateway.channel_pool import ChannelPool
+from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.shared.proto import engine_pb2_grpc
 from tests.services.helpers import (
     RPC_TIMEOUT,
     channel,

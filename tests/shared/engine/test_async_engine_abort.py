@@ -15,10 +15,10 @@ import threading
 
 import pytest
 
-from shared.engine.async_engine import AsyncEngine
-from shared.llm import LLM
-from shared.request import FinishReason, Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.engine.async_engine import AsyncEngine
+from pdserve.shared.llm import LLM
+from pdserve.shared.request import FinishReason, Request
+from pdserve.shared.sampling_params import SamplingParams
 from tests.step_gate import StepGate
 
 CHUNK = 64

@@ -10,7 +10,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.async_engine import AsyncEngine
 
 
 class _FakeCore:

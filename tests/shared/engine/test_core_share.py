@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from shared.engine.core_share import NO_PREFILL, CoreShare
+from pdserve.shared.engine.core_share import NO_PREFILL, CoreShare
 
 _ctx = mp.get_context("fork")
 
@@ -145,7 +145,7 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
     """EngineCore.acquire_cores sizes torch's pool from the board (a fake scheduler)."""
     import torch
 
-    from shared.engine import engine_core
+    from pdserve.shared.engine import engine_core
 
     class _Share:
         def __init__(self):
@@ -262,7 +262,7 @@ def test_engine_core_yields_its_decodes_until_the_stall_bound():
     """EngineCore.acquire_cores: only decodes and a recent step -> may yield (NO_PREFILL,
     can_yield); past max_decode_stall_s -> urgency 0, no yield; a local prefill or a bound
     of 0 -> never yields."""
-    from shared.engine import engine_core
+    from pdserve.shared.engine import engine_core
 
     class _Share:
         def __init__(self):
@@ -298,11 +298,11 @@ def test_engine_core_yields_its_decodes_until_the_stall_bound():
 def test_scheduler_prefill_urgency():
     import time as _time
 
-    from shared.config import SchedulerConfig
-    from shared.engine.scheduler import Scheduler
-    from shared.kv_cache.kv_cache_manager import KVCacheManager
-    from shared.request import Request
-    from shared.sampling_params import SamplingParams
+    from pdserve.shared.config import SchedulerConfig
+    from pdserve.shared.engine.scheduler import Scheduler
+    from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+    from pdserve.shared.request import Request
+    from pdserve.shared.sampling_params import SamplingParams
 
     kv = KVCacheManager(64, 16, enable_caching=False, model_name="m")
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_wait_s=5.0), kv)

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.attn_metadata import build_attn_metadata
-from shared.engine.cuda_graph import CUDAGraphRunner, default_capture_sizes
-from shared.engine_args import EngineArgs
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from pdserve.shared.engine.attn_metadata import build_attn_metadata
+from pdserve.shared.engine.cuda_graph import CUDAGraphRunner, default_capture_sizes
+from pdserve.shared.engine_args import EngineArgs
+from pdserve.shared.llm import LLM
+from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.engine.attention import PagedAttention
-from shared.engine.attn_metadata import build_attn_metadata
-from shared.engine.cuda_graph import CUDAGraphRunner
-from shared.models.llama import LlamaArgs, LlamaForCausalLM
+from pdserve.shared.engine.attention import PagedAttention
+from pdserve.shared.engine.attn_metadata import build_attn_metadata
+from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
+from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 
 pytestmark = [
     pytest.mark.gpu,

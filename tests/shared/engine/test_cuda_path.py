@@ -13,17 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import torch_paged
-from kernels.triton_common import check_paged_attention_inputs
-from kernels.triton_store import check_store_kv_cache_inputs
-from shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
-from shared.engine.sampler import _compute_logprobs, _truncate, apply_logit_bias, apply_min_tokens
-from shared.engine.sampling_metadata import SamplingMetadata
-from shared.kv_transfer.codec import write_kv_blocks
-from shared.models.loader import load_model
-from shared.models.rotary import RotaryEmbedding
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.kernels import torch_paged
+from pdserve.kernels.triton_common import check_paged_attention_inputs
+from pdserve.kernels.triton_store import check_store_kv_cache_inputs
+from pdserve.shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
+from pdserve.shared.engine.sampler import (
+    _compute_logprobs,
+    _truncate,
+    apply_logit_bias,
+    apply_min_tokens,
+)
+from pdserve.shared.engine.sampling_metadata import SamplingMetadata
+from pdserve.shared.kv_transfer.codec import write_kv_blocks
+from pdserve.shared.models.loader import load_model
+from pdserve.shared.models.rotary import RotaryEmbedding
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 META = torch.device("meta")
 NUM_LAYERS = 2

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from shared.llm import LLM
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

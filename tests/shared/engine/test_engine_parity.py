@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 
 pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from shared.engine.model_runner import ModelRunner
-from shared.engine.scheduler_output import ScheduledRequest
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.engine.model_runner import ModelRunner
+from pdserve.shared.engine.scheduler_output import ScheduledRequest
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 
 def test_prepare_inputs_worked_example() -> None:

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from shared.llm import LLM
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 from scipy import stats
 
-from shared.engine.sampler import (
+from pdserve.shared.engine.sampler import (
     Sampler,
     SamplerOutput,
     apply_min_tokens,
     apply_penalties,
     sample_key,
 )
-from shared.engine.sampling_metadata import SamplingMetadata
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_metadata import SamplingMetadata
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 EOS = 2
 # Distinct logits over a small vocabulary: every truncation below has a clear margin.

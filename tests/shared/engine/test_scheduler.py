@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-import shared.kv_cache.kv_cache_manager as kv_cache_manager_module
-from shared.config import SchedulerConfig
-from shared.engine.scheduler import Scheduler, check_stop
-from shared.engine.scheduling_policy import validate_request
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.kv_transfer.connector import KVConnector
-from shared.request import FinishReason, Request, RequestStatus
-from shared.sampling_params import SamplingParams
+import pdserve.shared.kv_cache.kv_cache_manager as kv_cache_manager_module
+from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.scheduler import Scheduler, check_stop
+from pdserve.shared.engine.scheduling_policy import validate_request
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.request import FinishReason, Request, RequestStatus
+from pdserve.shared.sampling_params import SamplingParams
 
 BS = 16
 

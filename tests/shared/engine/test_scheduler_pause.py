@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.llm import LLM
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.sampling_params import SamplingParams
 from tests.shared.engine.test_scheduler import (
     FakeRunner,
     check,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 
-from shared.config import SchedulerConfig
-from shared.engine.scheduler import Scheduler
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
+from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.sampling_params import SamplingParams
 
 BS = 16
 

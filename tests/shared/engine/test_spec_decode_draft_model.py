@@ -14,12 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared.engine.spec_decode.config import SpeculativeConfig
-from shared.engine.spec_decode.draft_kv import DraftKVCache
-from shared.engine.spec_decode.draft_model import DraftModelProposer
-from shared.llm import LLM
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.engine.spec_decode.draft_kv import DraftKVCache
+from pdserve.shared.engine.spec_decode.draft_model import DraftModelProposer
+from pdserve.shared.llm import LLM
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 
 NUM_TOKENS = NUM_PARITY_TOKENS // 2

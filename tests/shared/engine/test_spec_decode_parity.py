@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 
 # The reference is transformers' fp32 model (as test_engine_parity.py's).

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 from scipy.stats import chi2_contingency
 
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1, "disable_by_batch_size": 0}

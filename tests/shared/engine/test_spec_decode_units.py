@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from shared.engine.spec_decode.config import SpeculativeConfig
-from shared.engine.spec_decode.ngram_proposer import NgramProposer
-from shared.engine.spec_decode.scheduling import propose_drafts
-from shared.engine.spec_decode.verification import (
+from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
+from pdserve.shared.engine.spec_decode.ngram_proposer import NgramProposer
+from pdserve.shared.engine.spec_decode.scheduling import propose_drafts
+from pdserve.shared.engine.spec_decode.verification import (
     SpecDecodingStats,
     max_num_drafts,
     num_accepted_drafts,
 )
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 
 def ngram(k=3, lo=1, hi=3, backoff=4) -> SpeculativeConfig:
@@ -92,8 +92,8 @@ def test_drafts_respect_limits_and_back_off_under_load():
 def test_flag_round_trips_through_pdserve_up():
     import argparse
 
-    from services.launcher.plan import engine_flags
-    from shared.engine_args import EngineArgs
+    from pdserve.services.launcher.plan import engine_flags
+    from pdserve.shared.engine_args import EngineArgs
 
     value = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}'
     flags = engine_flags(EngineArgs(speculative_config=value))

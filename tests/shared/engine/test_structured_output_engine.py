@@ -14,9 +14,9 @@ import threading
 import jsonschema
 import pytest
 
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
-from shared.structured_output.params import StructuredOutputsParams
+from pdserve.shared.llm import LLM
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.structured_output.params import StructuredOutputsParams
 
 SCHEMA = {"type": "object",
           "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -82,8 +82,8 @@ async def test_a_slow_compile_holds_back_only_its_own_request(model_path):
     """While one schema's compile is stuck (held on its compile thread), an unguided request,
     a guided one whose grammar is cached and one with another new grammar run to the end;
     released, the slow one does."""
-    from shared.engine.async_engine import AsyncEngine
-    from shared.request import Request
+    from pdserve.shared.engine.async_engine import AsyncEngine
+    from pdserve.shared.request import Request
 
     llm = LLM(model_path, kv_cache_memory="32MiB", max_model_len=256, max_num_seqs=4)
     manager = llm.engine.structured_output

@@ -11,8 +11,8 @@ import sys
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-from shared.llm import LLM  # noqa: E402
-from shared.sampling_params import SamplingParams  # noqa: E402
+from pdserve.shared.llm import LLM  # noqa: E402
+from pdserve.shared.sampling_params import SamplingParams  # noqa: E402
 
 # A 40-token prompt in chunks of 32 (a chunked prefill), one sharing its first block (a
 # prefix-cache hit, shortest first), a short one; batched decodes after.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv_cache.block_pool import (
+from pdserve.shared.kv_cache.block_pool import (
     AllBlocksCleared,
     BlockPool,
     BlockRemoved,
@@ -12,7 +12,7 @@ from shared.kv_cache.block_pool import (
     FreeBlockQueue,
     KVCacheBlock,
 )
-from shared.kv_cache.prefix_hash import hash_request_tokens
+from pdserve.shared.kv_cache.prefix_hash import hash_request_tokens
 
 
 class Checked:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from shared.kv_cache.block_pool import BlockStored
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.kv_cache.block_pool import BlockStored
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 from tests.shared.kv_cache.test_block_pool import Checked
 
 BS = 16
@@ -258,7 +258,7 @@ def test_manager_check_catches_ref_count_drift():
 def test_known_block_hashes_are_extended_not_recomputed(monkeypatch):
     """A request arriving with verified hashes (a decode's KV handle) is hashed only past
     them, and gets the hashes a fresh hashing gives."""
-    import shared.kv_cache.kv_cache_manager as module
+    import pdserve.shared.kv_cache.kv_cache_manager as module
 
     prompt = list(range(1, 3 * BS + 5))
     fresh = make_manager(8).get_block_hashes(make_request("fresh", prompt))

@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 16

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from shared.kv_cache.prefix_hash import (
+from pdserve.shared.kv_cache.prefix_hash import (
     NONE_HASH,
     block_extra_keys,
     hash_block_tokens,
@@ -110,7 +110,7 @@ def test_bad_inputs_raise():
 
 _SCRIPT = """
 import json
-from shared.kv_cache.prefix_hash import NONE_HASH, hash_request_tokens, block_extra_keys
+from pdserve.shared.kv_cache.prefix_hash import NONE_HASH, hash_request_tokens, block_extra_keys
 tokens = list(range(1000, 1070))
 print(json.dumps([NONE_HASH.hex()] + [h.hex() for h in hash_request_tokens(
     tokens, 16, block_extra_keys("SmolLM2", "salt-\\u00e9"))]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import xxhash
 
-from shared.kv_cache.kv_cache_manager import KVCacheManager
-from shared.kv_cache.prefix_hash import (
+from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
+from pdserve.shared.kv_cache.prefix_hash import (
     NONE_HASH,
     block_extra_keys,
     hash_block_tokens,

@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.kv_cache.prefix_hash import NONE_HASH, block_extra_keys, hash_block_tokens
+from pdserve.shared.kv_cache.prefix_hash import NONE_HASH, block_extra_keys, hash_block_tokens
 from tests.shared.engine.test_scheduler import BS, check, make_request, make_scheduler
 
 

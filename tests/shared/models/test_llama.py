@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.models.llama import LlamaArgs, LlamaForCausalLM
-from shared.models.loader import load_model, read_hf_config
-from shared.models.rotary import RotaryEmbedding, rope_parameters
+from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
+from pdserve.shared.models.loader import load_model, read_hf_config
+from pdserve.shared.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class DenseCausalAttention:
@@ -83,7 +83,7 @@ def test_llama3_rope_scaling_changes_only_low_frequencies():
 def test_fused_cpu_ops_are_bit_identical_to_the_torch_ops(model, num_threads):
     """The fp32 CPU model picks `kernels.cpu_fused` at load; switching back to the torch ops
     must not change one bit of the hidden states or logits."""
-    from kernels import cpu_fused
+    from pdserve.kernels import cpu_fused
 
     if cpu_fused.load_fused_kernels() is None or not cpu_fused.is_enabled():
         pytest.skip("fused CPU ops unavailable here")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import CacheConfig
-from shared.engine.model_runner import determine_num_gpu_blocks, kv_cache_bytes_per_block
-from shared.engine_args import parse_size
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from pdserve.shared.config import CacheConfig
+from pdserve.shared.engine.model_runner import determine_num_gpu_blocks, kv_cache_bytes_per_block
+from pdserve.shared.engine_args import parse_size
+from pdserve.shared.llm import LLM
+from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS
 
 pytestmark = pytest.mark.slow

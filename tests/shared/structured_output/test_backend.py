@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from shared.structured_output.backend import XgrammarBackend, compile_error_text
-from shared.structured_output.params import StructuredOutputsParams as S
+from pdserve.shared.structured_output.backend import XgrammarBackend, compile_error_text
+from pdserve.shared.structured_output.params import StructuredOutputsParams as S
 
 VOCAB = 49152
 

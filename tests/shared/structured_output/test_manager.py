@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from shared.request import Request
-from shared.sampling_params import SamplingParams
-from shared.structured_output.manager import StructuredOutputManager
-from shared.structured_output.params import StructuredOutputsParams
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.structured_output.manager import StructuredOutputManager
+from pdserve.shared.structured_output.params import StructuredOutputsParams
 
 VOCAB = 8
 EOS = 7

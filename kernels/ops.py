@@ -1,9 +1,10 @@
-"""Attention over the paged KV cache: `store_kv_cache` and `paged_attention`, three backends.
+"""The kernels' public ops: attention over the paged KV cache, `store_kv_cache` and
+`paged_attention`, three backends.
 
 - "torch": the CPU path (`kernels/torch_paged.py`); build `prepare_torch_metadata(...)` once
   per step and pass it as `torch_metadata=` to every layer.
 - "triton": the CUDA kernels (`kernels/triton_*.py`), imported on first use so that importing
-  `kernels` needs neither triton nor a GPU.
+  `pdserve.kernels.ops` needs neither triton nor a GPU.
 - "reference": the slow, obviously-correct torch reference (`kernels/reference.py`).
 
 Every backend takes the step's `AttentionMetadata` (shared/engine/attn_metadata.py documents
@@ -17,11 +18,11 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from kernels import reference, torch_paged
-from kernels.torch_paged import TorchAttentionMetadata, prepare_torch_metadata
+from pdserve.kernels import reference, torch_paged
+from pdserve.kernels.torch_paged import TorchAttentionMetadata, prepare_torch_metadata
 
 if TYPE_CHECKING:  # kernels imports nothing from shared at run time
-    from shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton", "reference"]
 
@@ -58,7 +59,7 @@ def store_kv_cache(
     if backend == "torch":
         torch_paged.store_kv_cache(key, value, k_cache, v_cache, slot_mapping, has_skips)
     elif backend == "triton":
-        from kernels import triton_store
+        from pdserve.kernels import triton_store
 
         triton_store.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     elif backend == "reference":
@@ -99,7 +100,7 @@ def paged_attention(
     if backend == "torch":
         return torch_paged.paged_attention(*args, torch_metadata=torch_metadata)
     if backend == "triton":
-        from kernels import triton_decode, triton_prefill
+        from pdserve.kernels import triton_decode, triton_prefill
 
         out = torch.zeros_like(query)
         triton_decode.paged_decode(*args, out)
