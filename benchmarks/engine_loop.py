@@ -64,7 +64,7 @@ def workload_requests(name: str, seed: int, source: str = "loadgen",
 # -- arithmetic -----------------------------------------------------------------------------
 
 def weight_matrices(model) -> tuple[list, Any]:
-    """(every layer's 2-D weights, the LM head weight) of a shared.models.llama model.
+    """(every layer's 2-D weights, the LM head weight) of a pdserve.shared.models.llama model.
 
     Found by shape rather than by name (qkv/o/gate_up/down today), so a renamed or
     re-fused projection is still counted.

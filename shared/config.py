@@ -163,3 +163,11 @@ class ParallelConfig:
     engine's step in progress). 0 (default): decodes never wait for prefills, the cores are
     split between them. Measured on mixed64 (docs/benchmarks.md), 0.5 s gave TTFT p90 0.84x
     but output tok/s 0.92x, TPOT p50 1.23x and ITL p99 3x. See `shared/engine/core_share.py`."""
+    max_yield_s: float = 0.5
+    """Core share only: the longest this engine waits, with work to do, for other engines of
+    its host (a shorter prefill, a due decode); then it publishes itself overdue and takes its
+    next step. Derived from the TTFT target (`--slo-ttft-ms` / 4) when one is given, so two
+    stacks sharing a host never starve each other."""
+    trace_file: str = ""
+    """Opt-in timeline (`shared/engine/trace.py`): the engine appends its steps, its waits on
+    the core share and its KV transfers to this Chrome-trace file; empty: no timeline."""

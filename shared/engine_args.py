@@ -65,6 +65,12 @@ class EngineArgs:
     scheduling_policy: str = "sjf"
     burst_gap_ms: float = 4.0
     max_decode_stall_ms: float = 0.0
+    trace_file: str = ""
+    slo_ttft_ms: float = 0.0
+    """Latency target for the first token (DistServe's TTFT SLO); 0: none. Bounds how long
+    an engine yields its turn on the core share (a quarter of it)."""
+    slo_tpot_ms: float = 0.0
+    """Latency target per output token (DistServe's TPOT SLO); 0: none."""
     quantization: str = "none"
     seed: int | None = None
     speculative_config: str | dict | None = None
@@ -175,6 +181,17 @@ class EngineArgs:
                        help="core share: if > 0, a decode-only engine lets a busy prefill "
                             "engine of the host have the cores until its streams have waited "
                             "this long; 0 (default): decodes never wait for prefills")
+        g.add_argument("--slo-ttft-ms", type=float,
+                       default=float(env("slo_ttft_ms", d.slo_ttft_ms)),
+                       help="time-to-first-token target (ms; 0: none): an engine waits at "
+                            "most a quarter of it for the host's other engines")
+        g.add_argument("--slo-tpot-ms", type=float,
+                       default=float(env("slo_tpot_ms", d.slo_tpot_ms)),
+                       help="time-per-output-token target (ms; 0: none)")
+        g.add_argument("--trace-file", default=env("trace_file", d.trace_file),
+                       help="append this engine's timeline (steps, core-share waits, KV "
+                            "transfers) to this Chrome-trace file, for Perfetto; every engine "
+                            "of a host may name the same file")
         return parser
 
     @classmethod
@@ -254,6 +271,8 @@ class EngineArgs:
         if self.quantization == "int8" and (self.device != "cpu" or dtype != "float32"):
             raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
                              f"{self.device} {dtype}")
+        if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
+            raise ValueError("slo_ttft_ms and slo_tpot_ms must be >= 0 (0: no target)")
         if self.max_decode_stall_ms < 0:
             raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.burst_gap_ms < 0:
@@ -290,7 +309,10 @@ class EngineArgs:
                                          cpu_cores=parse_cores(self.cpu_cores),
                                          attention_backend=self.attention_backend,  # type: ignore
                                          core_share=self.core_share,
-                                         max_decode_stall_s=self.max_decode_stall_ms / 1000.0)
+                                         max_decode_stall_s=self.max_decode_stall_ms / 1000.0,
+                                         max_yield_s=(self.slo_ttft_ms / 4000.0
+                                                      if self.slo_ttft_ms > 0 else 0.5),
+                                         trace_file=self.trace_file)
         logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,
                     parallel_config)
         return model_config, cache_config, scheduler_config, parallel_config

@@ -34,6 +34,7 @@ from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.metrics import ServiceMetrics
 from pdserve.shared.config import GRPC_RECONNECT_BACKOFF_MS
+from pdserve.shared.engine.trace import Tracer, now_us
 from pdserve.shared.kv_transfer.codec import (
     KVCaches,
     KVChunkData,
@@ -58,8 +59,10 @@ reachable again is found, and a gone one costs only this long."""
 
 class KVFetcher:
     def __init__(self, kv_caches: KVCaches, config: ServiceConfig,
-                 metrics: ServiceMetrics) -> None:
+                 metrics: ServiceMetrics, tracer: Tracer | None = None) -> None:
         self.kv_caches = kv_caches
+        self.tracer = tracer
+        """The engine's opt-in timeline: one `kv_fetch` span per transfer."""
         self.layout = KVLayout.of(kv_caches)
         self.config = config
         self.metrics = metrics
@@ -87,7 +90,7 @@ class KVFetcher:
         address = handle.prefill_address
         tracker = TransferTracker(self.layout, block_indices)
         dst = dict(zip(block_indices, dst_block_ids))
-        start = time.monotonic()
+        start, start_us = time.monotonic(), now_us()
         self.in_flight[request_id] = (address, len(block_indices), start)
         try:
             for attempt in range(2):
@@ -113,6 +116,10 @@ class KVFetcher:
                                "never arrived")
         self.metrics.kv_received(len(block_indices), tracker.num_bytes)
         self.metrics.kv_transfer(time.monotonic() - start)
+        if self.tracer is not None:
+            self.tracer.complete("kv_fetch", "kv", start_us, now_us(), {
+                "request_id": request_id, "blocks": len(block_indices),
+                "bytes": tracker.num_bytes})
 
     async def _fetch_once(self, address: str, request_id: str, block_indices: Sequence[int],
                           tracker: TransferTracker, dst: dict[int, int]) -> None:

@@ -71,7 +71,7 @@ class DecodeWorker(EngineWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fetcher = KVFetcher(self.engine_core.model_runner.kv_caches, self.config,
-                                 self.metrics)
+                                 self.metrics, self.engine.tracer)
         self.kv_connector = self.engine_core.kv_connector
         self._streams: dict[str, _Stream] = {}
         self._num_waiting = 0

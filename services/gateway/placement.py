@@ -58,7 +58,7 @@ class InstanceRegistry(Protocol):
 
 
 class HealthView(Protocol):
-    """What placement needs from services.gateway.health.HealthTracker."""
+    """What placement needs from pdserve.services.gateway.health.HealthTracker."""
 
     def is_usable(self, address: str) -> bool:
         ...

@@ -27,6 +27,7 @@ from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.state_feed import TransferView
 from pdserve.services.common.worker import EngineWorker
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
+from pdserve.shared.engine.trace import now_us
 from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
 from pdserve.shared.kv_transfer.handle import KVHandle
 from pdserve.shared.request import FinishReason, Request
@@ -139,7 +140,7 @@ class PrefillWorker(EngineWorker):
             if len(set(indices)) != len(indices):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
                                    "block_indices: an index is repeated")
-            start = time.monotonic()
+            start, start_us = time.monotonic(), now_us()
             chunks = encode_kv_blocks(self.engine_core.model_runner.kv_caches, block_ids,
                                       indices, self.config.kv_chunk_bytes)
             # NOTE: the next chunk is gathered and encoded in a worker thread (torch and the
@@ -158,6 +159,9 @@ class PrefillWorker(EngineWorker):
                 self.metrics.kv_sent(len(chunk.block_indices) if done else 0, len(chunk.data))
                 yield message
             self.metrics.kv_transfer(time.monotonic() - start)
+            if self.engine.tracer is not None:
+                self.engine.tracer.complete("kv_send", "kv", start_us, now_us(), {
+                    "request_id": request_id, "blocks": len(indices)})
         finally:
             # NOTE: no await here: a cancelled RPC can be cancelled again while it unwinds
             # (gRPC fails the write, then cancels the task), and any await may raise.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 
 from pdserve.shared.engine.engine_core import EngineCore
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
+from pdserve.shared.engine.trace import Tracer, now_us
 from pdserve.shared.request import FinishReason, Request
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class AsyncEngine:
         """Test hook: called just before each step; what it raises fails the step."""
         self.consecutive_step_failures = 0
         """Steps in a row that raised (0 after a step that did not)."""
+        self.tracer = (Tracer(engine_core.trace_file, f"{name} (pid {os.getpid()})")
+                       if engine_core.trace_file else None)
+        """The opt-in timeline (`--trace-file`); the services add their KV transfers."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -173,6 +178,8 @@ class AsyncEngine:
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self.engine_core.shutdown()
+        if self.tracer is not None:
+            self.tracer.close()
 
     def seconds_since_progress(self) -> float:
         """0 while idle; else seconds since the last completed step (readiness probes)."""
@@ -191,6 +198,7 @@ class AsyncEngine:
         self.engine_core.bind_stepping_thread()
         burst_gap_s = self.engine_core.scheduler.scheduler_config.burst_gap_s
         idle = True
+        parked_since_us = 0  # timeline: when this engine began waiting on the core share
         while not self._stopped:
             if self.stall_hook is not None:
                 self.stall_hook()
@@ -205,14 +213,20 @@ class AsyncEngine:
             if idle and burst_gap_s > 0:
                 self._gather_burst(burst_gap_s)
             idle = False
-            if self.engine_core.acquire_cores() == 0:
+            threads = self.engine_core.acquire_cores()
+            if threads == 0:
                 # Another engine of this host has a shorter prefill: let it have the cores.
                 # Waiting by choice is progress, not a stall (readiness watchdog).
                 self.last_step_time = time.monotonic()
+                parked_since_us = parked_since_us or now_us()
                 self._wake.wait(_YIELD_WAIT_S)
                 self._wake.clear()
                 continue
+            if self.tracer is not None and parked_since_us:
+                self.tracer.complete("wait_cores", "engine", parked_since_us, now_us())
+            parked_since_us = 0
             self.step_started = time.monotonic()
+            step_started_us = now_us()
             try:
                 if self.fault_hook is not None:
                     self.fault_hook()
@@ -227,6 +241,8 @@ class AsyncEngine:
                 self.step_started = None
             self.consecutive_step_failures = 0
             self.num_steps += 1
+            if self.tracer is not None and self.engine_core.last_step_scheduled:
+                self._trace_step(step_started_us, threads)
             self.last_step_time = time.monotonic()
             self._dispatch(deltas)
             if not self.engine_core.last_step_scheduled:
@@ -234,6 +250,15 @@ class AsyncEngine:
                 # flight hold): wait for an op (a receive finishing) instead of spinning.
                 self._wake.wait(_YIELD_WAIT_S)
                 self._wake.clear()
+
+    def _trace_step(self, start_us: int, threads: int) -> None:
+        output = self.engine_core.last_scheduler_output
+        assert self.tracer is not None and output is not None
+        num_decode = sum(1 for s in output.scheduled if s.start_pos >= s.request.num_prompt_tokens)
+        self.tracer.complete("step", "engine", start_us, now_us(), {
+            "requests": len(output.scheduled), "decode_tokens": num_decode,
+            "prefill_tokens": output.total_num_scheduled_tokens - num_decode,
+            "threads": threads, "preempted": len(output.preempted_request_ids)})
 
     def _gather_burst(self, gap_s: float) -> None:
         """Take arrivals (ops) until none comes for `gap_s`, for at most 10 * `gap_s`.

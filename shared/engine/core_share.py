@@ -18,7 +18,10 @@ Qin et al., OSDI 2018; here the unit of reallocation is one engine step.)
 Shortest prefill first, across the host. An engine also publishes the prompt tokens left of
 its next prefill (its `urgency`). An engine that could yield (it has no decodes running, so
 pausing it stalls no stream: in practice a prefill instance) waits, with 0 threads, while
-another busy engine has a strictly shorter prefill to do. On one host under a burst, the
+another busy engine has a strictly shorter prefill to do. An engine with streams running
+never waits: when the engine that yields to it is still in its step, it takes its share
+beside it for that step (see `update`). No engine waits without bound either: EngineCore
+publishes urgency 0 (overdue) once it has waited `max_yield_s`. On one host under a burst, the
 decode instance's short local prefills then run on every core before the prefill
 instance's long prompts, as one shortest-job-first queue would order them; the scheduler's
 aging bound (`max_wait_s`) still applies, since an overdue prompt publishes urgency 0.
@@ -151,7 +154,12 @@ class CoreShare:
             if not self._yields(u, others, i, urgency, busy):
                 competing.append(i)
             elif busy and not u & _PARKED:
-                return self._park(mark, word)
+                if can_yield:
+                    return self._park(mark, word)
+                # NOTE: this engine has streams running: it never waits for another engine's
+                # step to end (a long prefill chunk: seconds), it takes the share that is
+                # free now, and the whole of the cores from its next step on.
+                competing.append(i)
         self._write(self.slot, mark, word)
         busy_slots = sorted(competing + [self.slot])
         share, extra = divmod(self.num_cores, len(busy_slots))

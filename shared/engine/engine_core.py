@@ -19,6 +19,7 @@ from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, Sche
 from pdserve.shared.engine.core_share import NO_PREFILL, CoreShare
 from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.scheduler import Scheduler
+from pdserve.shared.engine.scheduler_output import SchedulerOutput
 from pdserve.shared.engine.scheduling_policy import validate_request
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
@@ -77,6 +78,13 @@ class EngineCore:
         self.core_share = open_core_share(parallel_config)
         """This engine's slot on the host's core board; None: a fixed thread count."""
         self.max_decode_stall_ns = int(parallel_config.max_decode_stall_s * 1e9)
+        self.max_yield_ns = int(parallel_config.max_yield_s * 1e9)
+        self._yielding_since_ns = 0
+        """When this engine began waiting for another engine's step (0: it is not)."""
+        self.trace_file = parallel_config.trace_file
+        """Where the serving loop (AsyncEngine) appends its timeline; empty: none."""
+        self.last_scheduler_output: SchedulerOutput | None = None
+        """The last step's schedule (the timeline reads it after the step)."""
         self._last_step_end_ns = 0
         self.last_step_scheduled = False
         """Whether the last step scheduled any token (AsyncEngine waits for an op if not)."""
@@ -162,17 +170,27 @@ class EngineCore:
         Call it on the thread that steps (`bind_stepping_thread`)."""
         if self.core_share is None:
             return torch.get_num_threads()
+        now = time.monotonic_ns()
         urgency, has_decodes = self.scheduler.prefill_urgency()
-        can_yield = not has_decodes
+        # NOTE: with neither decodes nor a prefill (only KV admissions to book), a step costs
+        # nothing: waiting for another engine's prefill would only delay those streams.
+        can_yield = not has_decodes and urgency != NO_PREFILL
         if has_decodes and urgency == NO_PREFILL and self.max_decode_stall_ns > 0:
             # Only decodes: let a prefill engine of this host have the cores, until the
             # streams have waited max_decode_stall_s since this engine's last step.
-            if time.monotonic_ns() - self._last_step_end_ns < self.max_decode_stall_ns:
+            if now - self._last_step_end_ns < self.max_decode_stall_ns:
                 can_yield = True
             else:
                 urgency = 0  # due: the prefill engine waits for this one step
+        if can_yield and self._yielding_since_ns and \
+                now - self._yielding_since_ns >= self.max_yield_ns:
+            urgency, can_yield = 0, False  # waited its bound: overdue, it takes a step
         threads = self.core_share.update(busy=True, urgency=urgency, can_yield=can_yield)
-        if threads and threads != torch.get_num_threads():
+        if threads == 0:
+            self._yielding_since_ns = self._yielding_since_ns or now
+            return 0
+        self._yielding_since_ns = 0
+        if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         return threads
 
@@ -184,6 +202,7 @@ class EngineCore:
         self.last_step_scheduled = bool(scheduler_output.scheduled)
         if not self.last_step_scheduled:
             return []
+        self.last_scheduler_output = scheduler_output
         try:
             sampled = self.model_runner.execute_model(scheduler_output)
         finally:

@@ -13,6 +13,12 @@ from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.engine.core_share import NO_PREFILL
 from pdserve.shared.request import Request, RequestStatus
 
+DECODE_LIKE_TOKENS = 16
+"""A waiting request with output tokens and at most this many tokens left to compute (a
+stream whose prompt KV arrived from a prefill instance: 1 token) is decode work for the core
+share, not a prefill: counting it as the host's shortest prefill made the prefill engine
+park, and the decode wait for that engine's step to end, at every admission."""
+
 
 def validate_request(request: Request, vocab_size: int, max_model_len: int, block_size: int,
                      num_gpu_blocks: int) -> None:
@@ -91,19 +97,24 @@ def prefill_urgency(waiting: Iterable[Request], running: Iterable[Request],
 
     The next prefill is the shortest one left among waiting requests and running ones
     still in their prompt; a preempted request, or one waiting past `max_wait_s`,
-    counts 0 (most urgent). NO_PREFILL when no prompt is left to compute. Paused requests
-    are in neither list: they wait for their client, not for the cores.
+    counts 0 (most urgent). NO_PREFILL when no prompt is left to compute. A waiting stream
+    with at most DECODE_LIKE_TOKENS left counts as a decode. Paused requests are in neither
+    list: they wait for their client, not for the cores.
     """
     deadline = time.monotonic() - config.max_wait_s
     best = NO_PREFILL
+    has_decodes = False
     for r in waiting:
         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             continue  # its prompt's KV comes from another instance
         if r.status == RequestStatus.PREEMPTED or r.arrival_time <= deadline:
             best = 0
             break
-        best = min(best, r.num_tokens - r.num_computed_tokens)
-    has_decodes = False
+        left = r.num_tokens - r.num_computed_tokens
+        if left <= DECODE_LIKE_TOKENS and r.num_output_tokens:
+            has_decodes = True  # a stream whose KV arrived: its first decode, not a prefill
+        else:
+            best = min(best, left)
     for r in running:
         if r.num_computed_tokens >= r.num_prompt_tokens:
             has_decodes = True

@@ -186,7 +186,7 @@ def test_loading_the_fused_kernels_keeps_denormals():
     """The library must not switch the process to flush-to-zero / denormals-are-zero."""
     code = (
         "import torch\n"
-        "from kernels.cpu_fused import load_fused_kernels\n"
+        "from pdserve.kernels.cpu_fused import load_fused_kernels\n"
         "k = load_fused_kernels()\n"
         "t = torch.tensor([1e-40], dtype=torch.float32)\n"
         "print(k is not None, float('1e-310') * 1.5 > 0, float(t * 1.5) > 0)\n")

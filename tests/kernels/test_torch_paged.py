@@ -195,7 +195,7 @@ def test_loading_the_c_kernel_keeps_denormals():
 
     code = (
         "import torch\n"
-        "from kernels.cpu_native import load_native_kernel\n"
+        "from pdserve.kernels.cpu_native import load_native_kernel\n"
         "k = load_native_kernel(32, 2, 3)\n"
         "tiny = float('1e-310')\n"
         "t = torch.tensor([1e-40], dtype=torch.float32)\n"

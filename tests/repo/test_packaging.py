@@ -93,8 +93,16 @@ def _is_hf_kernels() -> bool:
 
 
 def _build_wheel(out: Path) -> Path:
+    """The wheel of a clean copy of what a build reads (setuptools' build/ folder in the
+    checkout could carry files deleted since)."""
+    source = out / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *TOPS):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
+        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns(
+            "__pycache__")} if (ROOT / name).is_dir() else {}))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(ROOT)], check=True,
+                    "--no-build-isolation", "-w", str(out), str(source)], check=True,
                    capture_output=True, text=True,
                    env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     (wheel,) = out.glob("pdserve-*.whl")

@@ -15,6 +15,7 @@ from pdserve.shared.engine.async_engine import AsyncEngine
 
 class _FakeCore:
     last_step_scheduled = True  # AsyncEngine reads it after each step
+    trace_file = ""  # no timeline
 
     def __init__(self, waits: int) -> None:
         self.waits = waits
@@ -62,6 +63,7 @@ def test_waits_while_told_to_then_steps_and_never_looks_stalled():
 class _CountingCore:
     """Counts the requests added before its first step; steps until `target` are done."""
     last_step_scheduled = True  # AsyncEngine reads it after each step
+    trace_file = ""  # no timeline
 
     def __init__(self, burst_gap_s: float, target: int) -> None:
         self.scheduler = SimpleNamespace(

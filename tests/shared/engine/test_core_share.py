@@ -145,8 +145,6 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
     """EngineCore.acquire_cores sizes torch's pool from the board (a fake scheduler)."""
     import torch
 
-    from pdserve.shared.engine import engine_core
-
     class _Share:
         def __init__(self):
             self.calls = []
@@ -154,9 +152,6 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
         def update(self, busy, urgency=NO_PREFILL, can_yield=False):
             self.calls.append(busy)
             return 1
-
-    core = engine_core.EngineCore.__new__(engine_core.EngineCore)
-    core.core_share = _Share()
 
     class _Scheduler:
         def schedule(self):
@@ -167,7 +162,7 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
         def prefill_urgency(self):
             return 7, False
 
-    core.scheduler = _Scheduler()
+    core = _bare_core(_Share(), _Scheduler())
     core.drafter = None  # no speculative decoding
     before = torch.get_num_threads()
     try:
@@ -214,7 +209,10 @@ def test_the_shorter_engine_takes_the_yielding_engines_cores_once_it_parks(board
     prefill, stop = _start(board, busy=True, urgency=300, can_yield=True)
     share = CoreShare(board, 2, linger_s=0.0)
     try:
-        assert share.update(busy=True, urgency=40, can_yield=False) == 0
+        assert share.update(busy=True, urgency=40, can_yield=True) == 0
+        # With streams running (no yield) it never waits for that step to end: it takes
+        # its share beside it (1), and every core once the other engine has parked.
+        assert share.update(busy=True, urgency=40, can_yield=False) == 1
     finally:
         _stop(prefill, stop)
         share.close()
@@ -222,7 +220,7 @@ def test_the_shorter_engine_takes_the_yielding_engines_cores_once_it_parks(board
     prefill, stop = _start(board, busy=True, urgency=300, can_yield=True, poll=True)
     share = CoreShare(board, 2, linger_s=0.0)
     try:
-        assert _threads_within(share, urgency=40, can_yield=False)[-1] == 2
+        assert _threads_within(share, urgency=40, can_yield=True)[-1] == 2
         # Only decodes left here (no prefill, no yield): the prefill engine no longer
         # yields, the cores are split.
         assert _threads_within(share, urgency=NO_PREFILL, can_yield=False)[-1] == 1
@@ -242,9 +240,14 @@ def test_a_decode_only_engine_yields_to_a_prefill_until_its_stall_bound(board):
         assert share.update(busy=True, urgency=NO_PREFILL, can_yield=True) == 0
         # Parked: the prefill engine (slot 0) counts this one out.
         assert share._read(share.slot)[1] & (1 << 61)
-        # Due: take the cores back once the prefill engine has parked.
-        answers = _threads_within(share, urgency=0, can_yield=False)
-        assert answers[-1] == 2
+        # Due: it takes its share at once, beside the prefill engine's step in flight, and
+        # every core once that engine has parked (at its next step boundary).
+        # (2 when the prefill engine parked between this engine's write and its read)
+        assert share.update(busy=True, urgency=0, can_yield=False) in (1, 2)
+        deadline = time.monotonic() + 10
+        while share.update(busy=True, urgency=0, can_yield=False) != 2:
+            assert time.monotonic() < deadline, "the prefill engine never parked"
+            time.sleep(0.002)
         # Not due again: it yields again (and the prefill engine takes the cores back).
         assert share.update(busy=True, urgency=NO_PREFILL, can_yield=True) == 0
     finally:
@@ -262,7 +265,6 @@ def test_engine_core_yields_its_decodes_until_the_stall_bound():
     """EngineCore.acquire_cores: only decodes and a recent step -> may yield (NO_PREFILL,
     can_yield); past max_decode_stall_s -> urgency 0, no yield; a local prefill or a bound
     of 0 -> never yields."""
-    from pdserve.shared.engine import engine_core
 
     class _Share:
         def __init__(self):
@@ -278,9 +280,7 @@ def test_engine_core_yields_its_decodes_until_the_stall_bound():
         def prefill_urgency(self):
             return self.answer
 
-    core = engine_core.EngineCore.__new__(engine_core.EngineCore)
-    core.core_share = _Share()
-    core.scheduler = _Scheduler()
+    core = _bare_core(_Share(), _Scheduler())
     core.max_decode_stall_ns = int(0.5e9)
     core._last_step_end_ns = time.monotonic_ns()
     core.acquire_cores()
@@ -295,11 +295,71 @@ def test_engine_core_yields_its_decodes_until_the_stall_bound():
                                      (NO_PREFILL, False)]
 
 
+def _bare_core(share, scheduler, max_yield_s: float = 0.5):
+    """An EngineCore with only what acquire_cores reads (no model)."""
+    from pdserve.shared.engine import engine_core
+
+    core = engine_core.EngineCore.__new__(engine_core.EngineCore)
+    core.core_share, core.scheduler = share, scheduler
+    core.max_decode_stall_ns = 0
+    core.max_yield_ns = int(max_yield_s * 1e9)
+    core._yielding_since_ns = 0
+    core._last_step_end_ns = 0
+    return core
+
+
+class _Queues:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def prefill_urgency(self):
+        return self.answer
+
+
+class _ParkingShare:
+    """Parks (0 threads) whenever the engine may yield, as a board with a shorter prefill
+    elsewhere would, forever."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update(self, busy, urgency=NO_PREFILL, can_yield=False):
+        self.calls.append((urgency, can_yield))
+        return 0 if can_yield else 1
+
+
+def test_an_engine_with_only_kv_admissions_never_yields():
+    """No decodes, no prefill (requests waiting for their KV to arrive): the step that books
+    them costs nothing, so the engine never waits for another's prefill (it did: a lone
+    request then waited forever while another stack of the host had work)."""
+    share = _ParkingShare()
+    core = _bare_core(share, _Queues((NO_PREFILL, False)))
+    assert core.acquire_cores() == 1
+    assert share.calls == [(NO_PREFILL, False)]
+
+
+def test_no_engine_yields_past_its_bound():
+    """A prefill engine that always finds a shorter prefill elsewhere waits at most
+    max_yield_s, then publishes itself overdue (urgency 0, no yield) and takes a step."""
+    share = _ParkingShare()
+    core = _bare_core(share, _Queues((300, False)), max_yield_s=0.05)
+    started = time.monotonic()
+    while core.acquire_cores() == 0:
+        assert time.monotonic() - started < 5, "waited past its bound"
+        time.sleep(0.002)
+    waited = time.monotonic() - started
+    assert 0.05 <= waited < 2.0
+    assert share.calls[0] == (300, True) and share.calls[-1] == (0, False)
+    # After its step it may yield again (the bound restarts).
+    assert core.acquire_cores() == 0 and share.calls[-1] == (300, True)
+
+
 def test_scheduler_prefill_urgency():
     import time as _time
 
     from pdserve.shared.config import SchedulerConfig
     from pdserve.shared.engine.scheduler import Scheduler
+    from pdserve.shared.engine.scheduling_policy import prefill_urgency
     from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
     from pdserve.shared.request import Request
     from pdserve.shared.sampling_params import SamplingParams
@@ -314,6 +374,11 @@ def test_scheduler_prefill_urgency():
     scheduler.update_from_output(out, {s.request.request_id: (5, None)
                                        for s in out.scheduled if s.sample})
     assert scheduler.prefill_urgency() == (90, True)  # a decodes, b has 90 prompt tokens left
+    # A stream whose prompt KV arrived (one token left, an output token): a decode.
+    arrived = Request("arrived", list(range(1, 61)), SamplingParams(max_tokens=4))
+    arrived.output_token_ids.append(7)
+    arrived.num_computed_tokens = 60
+    assert prefill_urgency([arrived], [], SchedulerConfig()) == (NO_PREFILL, True)
     late = Request("late", list(range(1, 201)), SamplingParams(max_tokens=4))
     late.arrival_time = _time.monotonic() - 6.0
     scheduler.add_request(late)
