@@ -57,6 +57,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
     device: str = "cpu"
     cpu_cores: str = ""
     num_threads: int = 0
@@ -119,6 +120,11 @@ class EngineArgs:
                        default=int(env("max_num_seqs", d.max_num_seqs)))
         g.add_argument("--max-num-batched-tokens", type=int,
                        default=int(env("max_num_batched_tokens", d.max_num_batched_tokens)))
+        g.add_argument("--long-prefill-token-threshold", type=int,
+                       default=int(env("long_prefill_token_threshold",
+                                       d.long_prefill_token_threshold)),
+                       help="cap each step's chunk of one prompt at this many tokens (vLLM's "
+                            "flag; 0: no cap): bounds how long a prefill step holds the cores")
         g.add_argument("--scheduling-policy", default=env("scheduling_policy",
                                                           d.scheduling_policy),
                        choices=["sjf", "fcfs"],
@@ -187,7 +193,9 @@ class EngineArgs:
                             "most a quarter of it for the host's other engines")
         g.add_argument("--slo-tpot-ms", type=float,
                        default=float(env("slo_tpot_ms", d.slo_tpot_ms)),
-                       help="time-per-output-token target (ms; 0: none)")
+                       help="time-per-output-token target (ms; 0: none): with a core share, "
+                            "a decode engine lets the host's prefill engine have every core "
+                            "while its streams have slack")
         g.add_argument("--trace-file", default=env("trace_file", d.trace_file),
                        help="append this engine's timeline (steps, core-share waits, KV "
                             "transfers) to this Chrome-trace file, for Perfetto; every engine "
@@ -271,6 +279,9 @@ class EngineArgs:
         if self.quantization == "int8" and (self.device != "cpu" or dtype != "float32"):
             raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
                              f"{self.device} {dtype}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, got "
+                             f"{self.long_prefill_token_threshold}")
         if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
             raise ValueError("slo_ttft_ms and slo_tpot_ms must be >= 0 (0: no target)")
         if self.max_decode_stall_ms < 0:
@@ -301,6 +312,7 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.block_size),
             max_model_len=max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             scheduling_policy=self.scheduling_policy,  # type: ignore[arg-type]
             burst_gap_s=self.burst_gap_ms / 1000.0)
         parallel_config = ParallelConfig(device=self.device,  # type: ignore[arg-type]
@@ -312,6 +324,7 @@ class EngineArgs:
                                          max_decode_stall_s=self.max_decode_stall_ms / 1000.0,
                                          max_yield_s=(self.slo_ttft_ms / 4000.0
                                                       if self.slo_ttft_ms > 0 else 0.5),
+                                         slo_tpot_s=self.slo_tpot_ms / 1000.0,
                                          trace_file=self.trace_file)
         logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,
                     parallel_config)

@@ -100,7 +100,7 @@ def _engine_role(args: list[str]) -> str | None:
         if arg == "serve" and args[i + 1] in ("prefill", "decode"):
             return args[i + 1]
         if arg == "-m" and args[i + 1] in ("pdserve.services.prefill", "pdserve.services.decode"):
-            return args[i + 1].split(".")[1]
+            return args[i + 1].rsplit(".", 1)[1]
     return None
 
 

@@ -79,6 +79,8 @@ class EngineCore:
         """This engine's slot on the host's core board; None: a fixed thread count."""
         self.max_decode_stall_ns = int(parallel_config.max_decode_stall_s * 1e9)
         self.max_yield_ns = int(parallel_config.max_yield_s * 1e9)
+        self.slo_tpot_s = parallel_config.slo_tpot_s
+        self.tpot_reserve_s = parallel_config.tpot_reserve_s or 2 * parallel_config.slo_tpot_s
         self._yielding_since_ns = 0
         """When this engine began waiting for another engine's step (0: it is not)."""
         self.trace_file = parallel_config.trace_file
@@ -182,6 +184,13 @@ class EngineCore:
                 can_yield = True
             else:
                 urgency = 0  # due: the prefill engine waits for this one step
+        elif has_decodes and urgency == NO_PREFILL and self.slo_tpot_s > 0:
+            # Only decodes, with a TPOT target: the prefill engine gets every core while
+            # each stream has slack; then they are due, and this engine waits (can_yield)
+            # only for the prefill engine's step in flight (the reserve covers it).
+            can_yield = True
+            if self.scheduler.min_tpot_slack(self.slo_tpot_s) <= self.tpot_reserve_s:
+                urgency = 0
         if can_yield and self._yielding_since_ns and \
                 now - self._yielding_since_ns >= self.max_yield_ns:
             urgency, can_yield = 0, False  # waited its bound: overdue, it takes a step

@@ -17,6 +17,7 @@ request is dropped. Its freed blocks are only reused by the next schedule().)
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -29,7 +30,11 @@ from pdserve.shared.engine.scheduler_output import (
     SchedulerStats,
 )
 from pdserve.shared.engine.scheduler_pause import RequestPausing
-from pdserve.shared.engine.scheduling_policy import admission_order, prefill_urgency
+from pdserve.shared.engine.scheduling_policy import (
+    admission_order,
+    min_tpot_slack,
+    prefill_urgency,
+)
 from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -133,6 +138,10 @@ class Scheduler(RequestPausing, KVTransferScheduling):
     def prefill_urgency(self) -> tuple[int, bool]:
         """`scheduling_policy.prefill_urgency` of this scheduler's queues (core share)."""
         return prefill_urgency(self.waiting, self.running, self.scheduler_config)
+
+    def min_tpot_slack(self, slo_tpot_s: float) -> float:
+        """`scheduling_policy.min_tpot_slack` of the running streams, now (core share)."""
+        return min_tpot_slack(self.running, slo_tpot_s, time.monotonic())
 
     def make_stats(self) -> SchedulerStats:
         prefix = self.kv_cache_manager.stats

@@ -121,3 +121,20 @@ def prefill_urgency(waiting: Iterable[Request], running: Iterable[Request],
         else:
             best = min(best, r.num_prompt_tokens - r.num_computed_tokens)
     return best, has_decodes
+
+
+def min_tpot_slack(running: Iterable[Request], slo_tpot_s: float, now: float) -> float:
+    """Seconds the most hurried running stream could still wait and keep its TPOT target.
+
+    A stream that arrived at `arrival_time` with its first token and has n output tokens
+    has used `now - arrival_time` of the `slo_tpot_s * (n - 1)` its target allows for the
+    tokens after the first (TPOT = (e2e - TTFT) / (tokens - 1), as vLLM's benchmark counts
+    it). inf when no stream is decoding. The decode engine yields its turn on the host's
+    cores while this exceeds a reserve (DistServe's slack-aware placement, on one host).
+    """
+    slack = float("inf")
+    for r in running:
+        if r.num_computed_tokens >= r.num_prompt_tokens:
+            budget = slo_tpot_s * (r.num_output_tokens - 1)
+            slack = min(slack, budget - (now - r.arrival_time))
+    return slack

@@ -303,17 +303,21 @@ def _bare_core(share, scheduler, max_yield_s: float = 0.5):
     core.core_share, core.scheduler = share, scheduler
     core.max_decode_stall_ns = 0
     core.max_yield_ns = int(max_yield_s * 1e9)
+    core.slo_tpot_s = core.tpot_reserve_s = 0.0
     core._yielding_since_ns = 0
     core._last_step_end_ns = 0
     return core
 
 
 class _Queues:
-    def __init__(self, answer):
-        self.answer = answer
+    def __init__(self, answer, slack=float("inf")):
+        self.answer, self.slack = answer, slack
 
     def prefill_urgency(self):
         return self.answer
+
+    def min_tpot_slack(self, slo_tpot_s):
+        return self.slack
 
 
 class _ParkingShare:
@@ -352,6 +356,43 @@ def test_no_engine_yields_past_its_bound():
     assert share.calls[0] == (300, True) and share.calls[-1] == (0, False)
     # After its step it may yield again (the bound restarts).
     assert core.acquire_cores() == 0 and share.calls[-1] == (300, True)
+
+
+def test_decodes_yield_while_their_streams_have_tpot_slack():
+    """With a TPOT target, a decode-only engine lets the prefill engine have the cores
+    (NO_PREFILL, can_yield) while its streams keep more slack than the reserve; then they
+    are due (urgency 0) and it waits only for the prefill engine's step in flight."""
+    share = _ParkingShare()
+    queues = _Queues((NO_PREFILL, True), slack=0.5)
+    core = _bare_core(share, queues)
+    core.slo_tpot_s, core.tpot_reserve_s = 0.1, 0.2
+    assert core.acquire_cores() == 0 and share.calls[-1] == (NO_PREFILL, True)
+    queues.slack = 0.15
+    core.acquire_cores()
+    assert share.calls[-1] == (0, True)
+    queues.answer = (40, True)  # a local prefill as well: it never yields
+    assert core.acquire_cores() == 1 and share.calls[-1] == (40, False)
+
+
+def test_min_tpot_slack():
+    from pdserve.shared.engine.scheduling_policy import min_tpot_slack
+    from pdserve.shared.request import Request
+    from pdserve.shared.sampling_params import SamplingParams
+
+    def stream(arrived: float, num_output: int, prefilled: bool = True) -> Request:
+        r = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=64))
+        r.arrival_time = arrived
+        r.output_token_ids.extend([5] * num_output)
+        r.num_computed_tokens = 4 if prefilled else 2
+        return r
+
+    # 1.0 s ago with 11 tokens: budget 0.1 * 10 = 1.0 s, used 1.0 -> 0; 0.5 s ago with 11
+    # tokens: 0.5 left; one still in its prompt does not count.
+    now = 100.0
+    assert min_tpot_slack([], 0.1, now) == float("inf")
+    assert min_tpot_slack([stream(99.5, 11)], 0.1, now) == pytest.approx(0.5)
+    assert min_tpot_slack([stream(99.5, 11), stream(99.0, 11), stream(90.0, 1, False)],
+                          0.1, now) == pytest.approx(0.0)
 
 
 def test_scheduler_prefill_urgency():
