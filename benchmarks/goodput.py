@@ -456,7 +456,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=Path("/tmp/pdserve-goodput"))
     ap.add_argument("--port", type=int, default=8231, help="port of the servers it starts")
     ap.add_argument("--pdserve-flags", default="", help="extra `pdserve up` flags")
-    ap.add_argument("--pdserve-bin", type=Path, default=Path("/work/main/.venv/bin/pdserve"))
+    ap.add_argument("--pdserve-bin", type=Path,
+                    default=Path(__file__).resolve().parents[1] / ".venv" / "bin" / "pdserve")
     ap.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllmenv"))
     ap.add_argument("--vllm-flags", default="", help="extra `vllm serve` flags")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
