@@ -171,11 +171,10 @@ class ParallelConfig:
     slo_tpot_s: float = 0.0
     """Core share only: the TPOT target of this engine's streams (0: none). With one, an
     engine with only decodes lets a busy prefill engine of its host have every core while
-    each stream keeps more than `tpot_reserve_s` of slack (`min_tpot_slack`); then its
-    decodes are due and the prefill engine parks at its next step boundary."""
+    each stream keeps more than `tpot_reserve_s` of slack (`min_tpot_slack`); below that
+    the engines split the cores."""
     tpot_reserve_s: float = 0.0
-    """The slack a decode engine keeps in reserve before it yields (covers the prefill step
-    in flight when its streams become due); 0: 2 x slo_tpot_s."""
+    """The slack a decode engine keeps in reserve before it yields; 0: 2 x slo_tpot_s."""
     trace_file: str = ""
     """Opt-in timeline (`shared/engine/trace.py`): the engine appends its steps, its waits on
     the core share and its KV transfers to this Chrome-trace file; empty: no timeline."""

@@ -186,11 +186,11 @@ class EngineCore:
                 urgency = 0  # due: the prefill engine waits for this one step
         elif has_decodes and urgency == NO_PREFILL and self.slo_tpot_s > 0:
             # Only decodes, with a TPOT target: the prefill engine gets every core while
-            # each stream has slack; then they are due, and this engine waits (can_yield)
-            # only for the prefill engine's step in flight (the reserve covers it).
-            can_yield = True
-            if self.scheduler.min_tpot_slack(self.slo_tpot_s) <= self.tpot_reserve_s:
-                urgency = 0
+            # each stream has more slack than the reserve; below it the cores are split.
+            # NOTE: not "due" (urgency 0): fresh streams have no slack, so a decode engine
+            # with arrivals would be due at every step and park the prefill engine for good
+            # (seen in the timeline: prefill steps 0.5 s apart, the max_yield_s bound).
+            can_yield = self.scheduler.min_tpot_slack(self.slo_tpot_s) > self.tpot_reserve_s
         if can_yield and self._yielding_since_ns and \
                 now - self._yielding_since_ns >= self.max_yield_ns:
             urgency, can_yield = 0, False  # waited its bound: overdue, it takes a step
