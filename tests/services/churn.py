@@ -23,6 +23,7 @@ class ChurnEngine:
     AsyncEngine keeps stepping), and `step_pause_s` sleeps after each step (leaving the GIL
     to the event loop, as a model step mostly does)."""
     last_step_scheduled = True  # AsyncEngine reads it after each step
+    trace_file = None  # AsyncEngine reads it at start (no timeline)
 
     def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, seed: int = 0,
