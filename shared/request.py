@@ -104,6 +104,9 @@ class Request:
     {"do_remote_decode": True} asks that a prefill's blocks wait for a decode instance; once
     the request finished, the connector's answer ({"block_ids", "block_hashes"} of the held
     blocks), or None when its blocks were freed."""
+    first_token_time: float | None = None
+    """Monotonic time this instance sampled the first output token (None: not yet, or the
+    request arrived with it, from a prefill instance: then `arrival_time` is that moment)."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed to follow the known tokens, scored by the next step
     (speculative decoding, shared/engine/spec_decode/); empty without speculation."""
@@ -138,6 +141,8 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        if not self.output_token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)

@@ -74,7 +74,8 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
     owned_registry = _connect_registry(config) if registry is None else None
     registry = registry if registry is not None else owned_registry
     placer = Placer(config.prefill_urls, config.decode_urls, registry,
-                    config.local_prefill_threshold)
+                    config.local_prefill_threshold,
+                    max_prefill_queue_size=config.max_prefill_queue_size)
     engine = EngineClient(config, channels, placer)
     metrics = GatewayMetrics()
     metrics.registry.register(engine.failover_stats)

@@ -19,7 +19,8 @@ _POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_bod
              "max_n", "block_size")
 _NON_NEGATIVE = ("max_request_retries", "max_num_queued_requests", "max_queued_tokens",
                  "max_logprobs", "max_stop_strings", "max_stop_string_length",
-                 "local_prefill_threshold", "grace_period", "max_stream_backlog",
+                 "local_prefill_threshold", "max_prefill_queue_size", "grace_period",
+                 "max_stream_backlog",
                  "socket_send_buffer", "stream_pause_bytes", "stream_resume_bytes",
                  "max_stream_pause_s")
 
@@ -49,6 +50,10 @@ class GatewayConfig:
     403 there. None: those routes are open only when no --api-key is set either."""
     local_prefill_threshold: int = 0
     """Prompts whose uncached part is shorter than this go straight to a decode instance."""
+    max_prefill_queue_size: int = 0
+    """Prefill requests this gateway may have in flight at one prefill instance; a prompt
+    placed while the chosen one has this many is prefilled on its decode instance instead
+    (NVIDIA Dynamo's `max_prefill_queue_size`). 0: no bound."""
     request_timeout: float = 600.0
     """Deadline of the Prefill and Generate calls, seconds."""
     rpc_timeout: float = 5.0
@@ -189,6 +194,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="accepted API key (repeat or comma-separate; also PDSERVE_API_KEY); "
                         "each key is a prefix-cache tenant")
     _number(g, "--local-prefill-threshold", int, 0)
+    _number(g, "--max-prefill-queue-size", int, 0)
     _number(g, "--request-timeout", float, 600)
     _number(g, "--rpc-timeout", float, 5)
     _number(g, "--max-body-size", int, 16 << 20)

@@ -16,7 +16,10 @@ when it has none, the static `--prefill-url` / `--decode-url` lists. Per docs/se
    gateway has in flight there;
 3. if the prompt's part not cached on the chosen decode instance is shorter than
    `local_prefill_threshold` tokens (or no prefill instance exists), skip the prefill
-   instance: the decode instance prefills locally (conditional disaggregation).
+   instance: the decode instance prefills locally (conditional disaggregation); so it does
+   when this gateway already has `max_prefill_queue_size` prefills in flight at the chosen
+   prefill instance (load: NVIDIA Dynamo's rule; a queued remote prefill would start later
+   than a local one, and its KV still has to travel).
 
 With a health view (`services.gateway.health.HealthTracker`), instances known NOT_SERVING or
 unreachable are skipped; when that leaves no decode instance, the skipped ones are checked
@@ -83,12 +86,15 @@ class Placement(NamedTuple):
 class Placer:
     def __init__(self, prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (),
                  registry: InstanceRegistry | None = None, local_prefill_threshold: int = 0,
-                 health: HealthView | None = None):
+                 health: HealthView | None = None, max_prefill_queue_size: int = 0):
         self.prefill_urls = tuple(prefill_urls)
         self.health = health
         self.decode_urls = tuple(decode_urls)
         self.registry = registry
         self.local_prefill_threshold = local_prefill_threshold
+        self.max_prefill_queue_size = max_prefill_queue_size
+        self.num_local_by_load = 0
+        """Prompts prefilled on their decode instance because the prefill queue was full."""
         self._in_flight: Counter[str] = Counter()
         self._live_cache: dict[str, tuple[float, list[Any]]] = {}
         self._registry_warned = False
@@ -200,5 +206,9 @@ class Placer:
         prefill = self._best([c for c in self._usable(await self._candidates("prefill", cached))
                               if c.address not in avoid], min_cached_blocks)
         if prefill is None or uncached < self.local_prefill_threshold:
+            return Placement(None, decode.address)
+        if self.max_prefill_queue_size and \
+                self._in_flight[prefill.address] >= self.max_prefill_queue_size:
+            self.num_local_by_load += 1
             return Placement(None, decode.address)
         return Placement(prefill.address, decode.address)

@@ -92,6 +92,9 @@ _GATEWAY_FLAGS = (
     ("max-stream-pause-s", float, "seconds a stream may stay paused before it is cut"),
     ("local-prefill-threshold", int,
      "prompts with fewer uncached tokens are prefilled on the decode instance"),
+    ("max-prefill-queue-size", int,
+     "prefills in flight at a prefill instance before a prompt is prefilled on its decode "
+     "instance"),
 )
 UP_LOCAL_PREFILL_THRESHOLD = 256
 """`pdserve up`'s default --local-prefill-threshold: conditional disaggregation, as NVIDIA

@@ -21,6 +21,7 @@ from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.scheduler_output import SchedulerOutput
 from pdserve.shared.engine.scheduling_policy import validate_request
+from pdserve.shared.engine.slo_budget import PrefillBudget
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -108,6 +109,12 @@ class EngineCore:
         self.kv_connector = KVConnector()
         """When finished prefills' blocks are freed (held for a KV transfer until done)."""
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector)
+        self.prefill_budget = (
+            PrefillBudget(parallel_config.slo_tpot_s, scheduler_config.max_num_batched_tokens,
+                          min_prefill_tokens=cache_config.block_size)
+            if parallel_config.slo_tpot_s > 0 else None)
+        """With a TPOT target: each step's prompt tokens beside running decodes are capped
+        by the streams' slack (slo_budget.py); None: only the token budget."""
         self.aborts_arrived: Container[str] = frozenset()
         """Ids whose abort has arrived but may not be applied yet (AsyncEngine's `aborting`,
         written by another thread: only membership is read here)."""
@@ -205,7 +212,10 @@ class EngineCore:
 
     def step(self) -> list:
         """One scheduling + forward + sampling step; returns the EngineCoreOutputs."""
-        scheduler_output = self.scheduler.schedule()
+        budget = self.prefill_budget
+        started = time.monotonic()
+        scheduler_output = self.scheduler.schedule(
+            None if budget is None else budget.cap(self.scheduler.running, started))
         if self.drafter is not None and scheduler_output.preempted_request_ids:
             self.drafter.remove_requests(scheduler_output.preempted_request_ids)
         self.last_step_scheduled = bool(scheduler_output.scheduled)
@@ -216,6 +226,15 @@ class EngineCore:
             sampled = self.model_runner.execute_model(scheduler_output)
         finally:
             self._last_step_end_ns = time.monotonic_ns()
+        if budget is not None:
+            num_decode = num_prefill = 0
+            for s in scheduler_output.scheduled:
+                n = s.num_scheduled_tokens - len(s.spec_token_ids)
+                if n > 1:
+                    num_prefill += n
+                else:
+                    num_decode += 1
+            budget.observe(self._last_step_end_ns / 1e9 - started, num_decode, num_prefill)
         if self.aborts_arrived:
             self.num_prompt_tokens_after_abort += num_prompt_tokens_of(
                 scheduler_output, self.aborts_arrived)

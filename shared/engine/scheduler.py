@@ -155,8 +155,12 @@ class Scheduler(RequestPausing, KVTransferScheduling):
 
     # -- one step ---------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_prefill_tokens: int | None = None) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their blocks.
+
+        `max_prefill_tokens` caps the tokens of the step's chunks of more than one token
+        (prompts, recomputes after a preemption) beside the decodes (one token each, never
+        capped): `slo_budget.PrefillBudget.cap`. None: only the token budget bounds them.
 
         NOTE: there is no prefill or decode phase. Each request has
         `num_computed_tokens` and `num_tokens` (prompt + output); each step gives it
@@ -180,6 +184,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         kv = self.kv_cache_manager
         self.update_from_kv_xfer_finished()
         token_budget = config.max_num_batched_tokens
+        prefill_budget = token_budget if max_prefill_tokens is None else max_prefill_tokens
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
 
@@ -188,6 +193,12 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             request = self.running[i]
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
                                                   token_budget)
+            if num_new_tokens > 1:
+                num_new_tokens = min(num_new_tokens, prefill_budget)
+                if num_new_tokens == 0:
+                    i += 1  # a prompt chunk, and this step's prefill budget is spent
+                    continue
+                prefill_budget -= num_new_tokens
             num_spec = num_spec_tokens(request, num_new_tokens, token_budget)
             while (new_blocks := kv.allocate_slots(request, num_new_tokens + num_spec)) is None:
                 if num_spec:  # drop the drafts before preempting anyone
@@ -225,6 +236,10 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens + num_hit_tokens, token_budget)
+            if num_new_tokens > 1:
+                num_new_tokens = min(num_new_tokens, prefill_budget)
+                if num_new_tokens == 0:
+                    break  # this step's prefill budget is spent (the order stands)
             while (new_blocks := kv.allocate_slots(request, num_new_tokens, hits,
                                                    num_hit_tokens)) is None:
                 if not self.preempt_paused():
@@ -239,6 +254,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             self.running.append(request)
             scheduled.append(self._schedule_tokens(request, num_new_tokens))
             token_budget -= num_new_tokens
+            if num_new_tokens > 1:
+                prefill_budget -= num_new_tokens
         if admitted:
             if len(admitted) == 1 and self.waiting[0] is admitted[0]:
                 self.waiting.popleft()

@@ -1,0 +1,144 @@
+"""SLO-aware prefill budget: the streams' slack, the cost model, the cap, and the scheduler
+honouring it (decodes never capped, prompt chunks capped, nothing lost)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.shared.engine.slo_budget import (
+    LOOKAHEAD_TOKENS,
+    MIN_PREFILL_SAMPLE,
+    PrefillBudget,
+    decode_slack,
+)
+from pdserve.shared.request import Request
+from pdserve.shared.sampling_params import SamplingParams
+from tests.shared.engine.test_scheduler import (
+    FakeRunner,
+    make_request,
+    make_scheduler,
+    run_all,
+    shape,
+    step,
+)
+
+
+def decoding(rid: str, num_output: int, first_token_time: float, max_tokens: int | None = 100,
+             arrival_time: float = 0.0) -> Request:
+    r = Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens),
+                arrival_time=arrival_time)
+    r.num_computed_tokens = 3
+    r.output_token_ids = [5] * num_output
+    r.first_token_time = first_token_time
+    return r
+
+
+def test_decode_slack_is_the_lookahead_budget_minus_time_used_and_decode_time():
+    # 11 tokens since t=10: the target grants 0.1 s x (10 + 16) = 2.6 s; 1.5 s used;
+    # 16 decode-only steps of 0.04 s still to run: 2.6 - 1.5 - 0.64 = 0.46 s.
+    r = decoding("a", 11, first_token_time=10.0)
+    assert decode_slack([r], 0.1, 0.04, now=11.5) == pytest.approx(0.46)
+    # the most hurried stream sets it
+    late = decoding("b", 2, first_token_time=9.0)
+    assert decode_slack([r, late], 0.1, 0.04, now=11.5) == pytest.approx(
+        0.1 * (1 + LOOKAHEAD_TOKENS) - 2.5 - LOOKAHEAD_TOKENS * 0.04)
+
+
+def test_decode_slack_looks_ahead_no_further_than_max_tokens():
+    r = decoding("a", 8, first_token_time=0.0, max_tokens=10)  # 2 tokens left
+    assert decode_slack([r], 0.1, 0.04, now=0.5) == pytest.approx(0.1 * 9 - 0.5 - 2 * 0.04)
+
+
+def test_decode_slack_of_a_stream_that_arrived_with_its_first_token_starts_at_arrival():
+    r = decoding("a", 1, first_token_time=None, arrival_time=3.0)  # type: ignore[arg-type]
+    r.first_token_time = None
+    assert decode_slack([r], 0.1, 0.0, now=3.2) == pytest.approx(0.1 * 16 - 0.2)
+
+
+def test_decode_slack_ignores_prompts_and_is_inf_without_decodes():
+    prompt = Request("p", [1] * 40, SamplingParams(max_tokens=4))
+    prompt.num_computed_tokens = 16
+    assert decode_slack([prompt], 0.1, 0.04, now=5.0) == float("inf")
+
+
+def test_first_token_time_is_stamped_once_by_the_first_output_token():
+    r = Request("a", [1, 2], SamplingParams())
+    assert r.first_token_time is None
+    r.append_output_token(7)
+    first = r.first_token_time
+    assert first is not None
+    r.append_output_token(8)
+    assert r.first_token_time == first
+
+
+def test_budget_learns_the_cost_and_caps_by_the_smallest_slack():
+    budget = PrefillBudget(0.1, max_num_batched_tokens=2048, min_prefill_tokens=16)
+    r = decoding("a", 11, first_token_time=10.0)
+    assert budget.cap([r], now=11.5) is None  # no cost estimate yet
+    budget.observe(0.04, num_decode_tokens=8, num_prefill_tokens=0)
+    budget.observe(0.04, num_decode_tokens=8, num_prefill_tokens=0)
+    assert budget.t_decode_s == pytest.approx(0.1 / 4 + (0.04 - 0.025) * (1 - 0.8 ** 2))
+    budget.t_decode_s = 0.04
+    # a 512-token prefill alone took 0.72 s: 1.4 ms per token
+    budget.observe(0.72, num_decode_tokens=0, num_prefill_tokens=512)
+    assert budget.s_per_token == pytest.approx(0.72 / 512)
+    # beside decodes, the decode part is taken off first
+    budget.observe(0.04 + 0.72, num_decode_tokens=8, num_prefill_tokens=512)
+    assert budget.s_per_token == pytest.approx(0.72 / 512)
+    budget.observe(5.0, num_decode_tokens=0, num_prefill_tokens=MIN_PREFILL_SAMPLE - 1)
+    assert budget.s_per_token == pytest.approx(0.72 / 512)  # too small a sample
+    # slack 0.46 s -> 0.46 / 0.0014 = 327 tokens
+    assert budget.cap([r], now=11.5) == int(0.46 / (0.72 / 512))
+    # no stream decoding: no cap
+    assert budget.cap([], now=11.5) is None
+    # a stream already behind: the floor, so that prompts still progress
+    behind = decoding("b", 2, first_token_time=0.0)
+    assert budget.cap([r, behind], now=11.5) == 16
+    # much slack: the token budget
+    fresh = decoding("c", 1, first_token_time=11.5)
+    budget.s_per_token = 1e-5
+    assert budget.cap([fresh], now=11.5) == 2048
+
+
+def test_budget_refuses_a_non_positive_target():
+    with pytest.raises(ValueError, match="slo_tpot_s"):
+        PrefillBudget(0.0, 2048, 16)
+
+
+def test_scheduler_caps_prompt_chunks_but_never_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=256)
+    runner = FakeRunner(scheduler)
+    for rid in ("d1", "d2"):
+        scheduler.add_request(make_request(rid, prompt_len=20, max_tokens=50))
+    step(scheduler, runner)  # both prefilled
+    scheduler.add_request(make_request("p", prompt_len=100, max_tokens=4))
+    out = scheduler.schedule(max_prefill_tokens=32)
+    assert shape(out) == [("d1", 20, 1, True), ("d2", 20, 1, True), ("p", 0, 32, False)]
+    scheduler.update_from_output(out, runner.execute(out))
+    # a running prompt's next chunk is capped too; a budget of 0 leaves it for later
+    out = scheduler.schedule(max_prefill_tokens=0)
+    assert shape(out) == [("d1", 21, 1, True), ("d2", 21, 1, True)]
+    scheduler.update_from_output(out, runner.execute(out))
+    out = scheduler.schedule(max_prefill_tokens=48)
+    assert shape(out) == [("d1", 22, 1, True), ("d2", 22, 1, True), ("p", 32, 48, False)]
+    scheduler.update_from_output(out, runner.execute(out))
+    # without a cap the rest goes at once; everything finishes, no block leaks
+    out = scheduler.schedule()
+    assert ("p", 80, 20, True) in shape(out)
+    scheduler.update_from_output(out, runner.execute(out))
+    run_all(scheduler, runner)
+    assert scheduler.kv_cache_manager.usage == 0
+
+
+def test_scheduler_cap_stops_admissions_in_order():
+    scheduler = make_scheduler(max_num_batched_tokens=256)
+    runner = FakeRunner(scheduler)
+    scheduler.add_request(make_request("a", prompt_len=40, max_tokens=2))
+    scheduler.add_request(make_request("b", prompt_len=10, max_tokens=2))
+    out = scheduler.schedule(max_prefill_tokens=40)
+    # "a" takes the whole budget; "b" does not overtake (nor get a 0-token chunk)
+    assert shape(out) == [("a", 0, 40, True)]
+    assert [r.request_id for r in scheduler.waiting] == ["b"]
+    scheduler.update_from_output(out, runner.execute(out))
+    run_all(scheduler, runner)
+    assert scheduler.kv_cache_manager.usage == 0
