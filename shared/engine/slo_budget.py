@@ -27,8 +27,16 @@ from collections.abc import Iterable
 
 from pdserve.shared.request import Request
 
-LOOKAHEAD_TOKENS = 16
-"""Tokens ahead a stream's slack looks (its budget for them is granted up front)."""
+LOOKAHEAD_TOKENS = 64
+"""Tokens ahead a stream's slack looks (its budget for them is granted up front). Short
+lookaheads starve prefills into small chunks: with 16, a 512-token prompt went in 16-token
+pieces beside every decode step and TPOT p50 doubled (a decode step costs as much as ~20
+prompt tokens here, paid again at every chunk)."""
+MIN_CHUNK_TOKENS = 256
+"""The smallest prompt chunk worth a step beside decodes: a smaller cap schedules none, and
+the decode-only steps rebuild the slack (unless the decodes alone miss the target)."""
+TARGET_FRACTION = 0.9
+"""The budget aims at this fraction of the TPOT target (a margin for the estimates)."""
 MIN_PREFILL_SAMPLE = 32
 """Steps with fewer prompt tokens do not update the seconds-per-token estimate (noise)."""
 EMA_WEIGHT = 0.2
@@ -70,18 +78,20 @@ class PrefillBudget:
     Args:
         slo_tpot_s: the TPOT target, seconds (> 0).
         max_num_batched_tokens: the step's token budget (the cap never exceeds it).
-        min_prefill_tokens: prompt tokens a step may always carry beside decodes, so that a
-            prefill progresses even when the decodes alone exceed the target (block_size).
+        min_prefill_tokens: prompt tokens a step carries beside decodes when the decodes
+            alone exceed the target, so that a prefill still progresses (block_size).
     """
 
     def __init__(self, slo_tpot_s: float, max_num_batched_tokens: int,
                  min_prefill_tokens: int) -> None:
         if slo_tpot_s <= 0:
             raise ValueError(f"slo_tpot_s must be > 0, got {slo_tpot_s}")
-        self.slo_tpot_s = slo_tpot_s
+        self.slo_tpot_s = slo_tpot_s * TARGET_FRACTION
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_prefill_tokens = min_prefill_tokens
-        self.t_decode_s = slo_tpot_s / 4
+        self.min_chunk_tokens = max(min_prefill_tokens,
+                                    min(MIN_CHUNK_TOKENS, max_num_batched_tokens))
+        self.t_decode_s = self.slo_tpot_s / 4
         """EMA of decode-only step durations, seconds (a guess until the first one)."""
         self.s_per_token = 0.0
         """EMA of seconds per prompt token (0: no observation yet, no cap)."""
@@ -108,4 +118,8 @@ class PrefillBudget:
         if slack == float("inf"):
             return None
         tokens = int(slack / self.s_per_token) if slack > 0 else 0
-        return max(self.min_prefill_tokens, min(tokens, self.max_num_batched_tokens))
+        if tokens >= self.min_chunk_tokens:
+            return min(tokens, self.max_num_batched_tokens)
+        if self.t_decode_s < self.slo_tpot_s:
+            return 0  # decode-only steps rebuild the slack by slo - t_decode each
+        return self.min_prefill_tokens  # the decodes alone miss: prompts still progress

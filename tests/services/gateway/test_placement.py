@@ -105,6 +105,27 @@ async def test_short_uncached_part_goes_straight_to_decode():
     assert (await placer.place([1, 2, 3], model_name="m", block_size=BLOCK)).prefill_address is None
 
 
+async def test_full_prefill_queue_sends_the_prompt_to_its_decode_instance():
+    placer = Placer(["p0:1", "p1:1"], ["d0:1"], max_prefill_queue_size=2)
+    assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p0:1", "d0:1")
+    for _ in range(2):
+        placer.begin("p0:1")
+    # p0 has 2 in flight: p1 (least loaded) still has room
+    assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p1:1", "d0:1")
+    placer.begin("p1:1")
+    placer.begin("p1:1")
+    # every prefill queue is full: the decode instance prefills, and it is counted
+    assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement(None, "d0:1")
+    assert placer.num_local_by_load == 1
+    placer.end("p1:1")
+    assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p1:1", "d0:1")
+    # 0: no bound
+    unbounded = Placer(["p0:1"], ["d0:1"])
+    for _ in range(50):
+        unbounded.begin("p0:1")
+    assert (await unbounded.place(PROMPT, model_name="m", block_size=BLOCK)).prefill_address
+
+
 async def test_registry_down_falls_back_to_static_lists():
     placer = Placer(["sp:1"], ["sd:1"], registry=FakeRegistry(INSTANCES, fail=True))
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("sp:1", "sd:1")

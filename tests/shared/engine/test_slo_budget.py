@@ -7,7 +7,9 @@ import pytest
 
 from pdserve.shared.engine.slo_budget import (
     LOOKAHEAD_TOKENS,
+    MIN_CHUNK_TOKENS,
     MIN_PREFILL_SAMPLE,
+    TARGET_FRACTION,
     PrefillBudget,
     decode_slack,
 )
@@ -34,10 +36,11 @@ def decoding(rid: str, num_output: int, first_token_time: float, max_tokens: int
 
 
 def test_decode_slack_is_the_lookahead_budget_minus_time_used_and_decode_time():
-    # 11 tokens since t=10: the target grants 0.1 s x (10 + 16) = 2.6 s; 1.5 s used;
-    # 16 decode-only steps of 0.04 s still to run: 2.6 - 1.5 - 0.64 = 0.46 s.
+    # 11 tokens since t=10: the target grants 0.1 s x (10 + L) for the next L tokens; 1.5 s
+    # used; L decode-only steps of 0.04 s still to run (L = 64: 7.4 - 1.5 - 2.56 = 3.34 s).
     r = decoding("a", 11, first_token_time=10.0)
-    assert decode_slack([r], 0.1, 0.04, now=11.5) == pytest.approx(0.46)
+    assert LOOKAHEAD_TOKENS == 64
+    assert decode_slack([r], 0.1, 0.04, now=11.5) == pytest.approx(3.34)
     # the most hurried stream sets it
     late = decoding("b", 2, first_token_time=9.0)
     assert decode_slack([r, late], 0.1, 0.04, now=11.5) == pytest.approx(
@@ -52,7 +55,7 @@ def test_decode_slack_looks_ahead_no_further_than_max_tokens():
 def test_decode_slack_of_a_stream_that_arrived_with_its_first_token_starts_at_arrival():
     r = decoding("a", 1, first_token_time=None, arrival_time=3.0)  # type: ignore[arg-type]
     r.first_token_time = None
-    assert decode_slack([r], 0.1, 0.0, now=3.2) == pytest.approx(0.1 * 16 - 0.2)
+    assert decode_slack([r], 0.1, 0.0, now=3.2) == pytest.approx(0.1 * LOOKAHEAD_TOKENS - 0.2)
 
 
 def test_decode_slack_ignores_prompts_and_is_inf_without_decodes():
@@ -73,11 +76,13 @@ def test_first_token_time_is_stamped_once_by_the_first_output_token():
 
 def test_budget_learns_the_cost_and_caps_by_the_smallest_slack():
     budget = PrefillBudget(0.1, max_num_batched_tokens=2048, min_prefill_tokens=16)
+    tpot = budget.slo_tpot_s
+    assert tpot == pytest.approx(0.1 * TARGET_FRACTION)  # the margin
     r = decoding("a", 11, first_token_time=10.0)
-    assert budget.cap([r], now=11.5) is None  # no cost estimate yet
+    assert budget.cap([r], now=11.0) is None  # no cost estimate yet
     budget.observe(0.04, num_decode_tokens=8, num_prefill_tokens=0)
     budget.observe(0.04, num_decode_tokens=8, num_prefill_tokens=0)
-    assert budget.t_decode_s == pytest.approx(0.1 / 4 + (0.04 - 0.025) * (1 - 0.8 ** 2))
+    assert budget.t_decode_s == pytest.approx(tpot / 4 + (0.04 - tpot / 4) * (1 - 0.8 ** 2))
     budget.t_decode_s = 0.04
     # a 512-token prefill alone took 0.72 s: 1.4 ms per token
     budget.observe(0.72, num_decode_tokens=0, num_prefill_tokens=512)
@@ -87,17 +92,32 @@ def test_budget_learns_the_cost_and_caps_by_the_smallest_slack():
     assert budget.s_per_token == pytest.approx(0.72 / 512)
     budget.observe(5.0, num_decode_tokens=0, num_prefill_tokens=MIN_PREFILL_SAMPLE - 1)
     assert budget.s_per_token == pytest.approx(0.72 / 512)  # too small a sample
-    # slack 0.46 s -> 0.46 / 0.0014 = 327 tokens
-    assert budget.cap([r], now=11.5) == int(0.46 / (0.72 / 512))
+    # the slack over the lookahead, in tokens at the learned cost
+    slack = tpot * (10 + LOOKAHEAD_TOKENS) - 3.0 - LOOKAHEAD_TOKENS * 0.04
+    assert MIN_CHUNK_TOKENS < slack / (0.72 / 512) < 2048
+    assert budget.cap([r], now=13.0) == int(slack / (0.72 / 512))
     # no stream decoding: no cap
-    assert budget.cap([], now=11.5) is None
-    # a stream already behind: the floor, so that prompts still progress
+    assert budget.cap([], now=11.0) is None
+    # a stream behind: no prompt this step (decode-only steps rebuild the slack) ...
     behind = decoding("b", 2, first_token_time=0.0)
-    assert budget.cap([r, behind], now=11.5) == 16
+    assert budget.cap([r, behind], now=11.0) == 0
+    # ... unless the decodes alone miss the target: then the floor, so prompts progress
+    budget.t_decode_s = 0.2
+    assert budget.cap([r, behind], now=11.0) == 16
     # much slack: the token budget
-    fresh = decoding("c", 1, first_token_time=11.5)
-    budget.s_per_token = 1e-5
-    assert budget.cap([fresh], now=11.5) == 2048
+    fresh = decoding("c", 1, first_token_time=11.0)
+    budget.t_decode_s, budget.s_per_token = 0.04, 1e-5
+    assert budget.cap([fresh], now=11.0) == 2048
+
+
+def test_a_cap_below_the_smallest_worthwhile_chunk_schedules_no_prompt():
+    budget = PrefillBudget(0.1, max_num_batched_tokens=2048, min_prefill_tokens=16)
+    budget.t_decode_s, budget.s_per_token = 0.04, 0.001
+    # slack worth 100 tokens < MIN_CHUNK_TOKENS
+    tpot = budget.slo_tpot_s
+    first = 11.0 - (tpot * (10 + LOOKAHEAD_TOKENS) - LOOKAHEAD_TOKENS * 0.04 - 0.1)
+    r = decoding("a", 11, first_token_time=first)
+    assert budget.cap([r], now=11.0) == 0
 
 
 def test_budget_refuses_a_non_positive_target():
