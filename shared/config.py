@@ -168,6 +168,9 @@ class ParallelConfig:
     its host (a shorter prefill, a due decode); then it publishes itself overdue and takes its
     next step. Derived from the TTFT target (`--slo-ttft-ms` / 4) when one is given, so two
     stacks sharing a host never starve each other."""
+    slo_ttft_s: float = 0.0
+    """The TTFT target (0: none): with `slo_tpot_s`, a prompt that must start now to keep it
+    is not held back by the decodes' prefill budget (`shared/engine/slo_budget.py`)."""
     slo_tpot_s: float = 0.0
     """Core share only: the TPOT target of this engine's streams (0: none). With one, an
     engine with only decodes lets a busy prefill engine of its host have every core while

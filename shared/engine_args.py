@@ -324,6 +324,7 @@ class EngineArgs:
                                          max_decode_stall_s=self.max_decode_stall_ms / 1000.0,
                                          max_yield_s=(self.slo_ttft_ms / 4000.0
                                                       if self.slo_ttft_ms > 0 else 0.5),
+                                         slo_ttft_s=self.slo_ttft_ms / 1000.0,
                                          slo_tpot_s=self.slo_tpot_ms / 1000.0,
                                          trace_file=self.trace_file)
         logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,

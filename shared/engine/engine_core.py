@@ -111,7 +111,8 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector)
         self.prefill_budget = (
             PrefillBudget(parallel_config.slo_tpot_s, scheduler_config.max_num_batched_tokens,
-                          min_prefill_tokens=cache_config.block_size)
+                          min_prefill_tokens=cache_config.block_size,
+                          slo_ttft_s=parallel_config.slo_ttft_s)
             if parallel_config.slo_tpot_s > 0 else None)
         """With a TPOT target: each step's prompt tokens beside running decodes are capped
         by the streams' slack (slo_budget.py); None: only the token budget."""
@@ -214,8 +215,8 @@ class EngineCore:
         """One scheduling + forward + sampling step; returns the EngineCoreOutputs."""
         budget = self.prefill_budget
         started = time.monotonic()
-        scheduler_output = self.scheduler.schedule(
-            None if budget is None else budget.cap(self.scheduler.running, started))
+        scheduler_output = self.scheduler.schedule(None if budget is None else budget.cap(
+            self.scheduler.running, started, self.scheduler.waiting))
         if self.drafter is not None and scheduler_output.preempted_request_ids:
             self.drafter.remove_requests(scheduler_output.preempted_request_ids)
         self.last_step_scheduled = bool(scheduler_output.scheduled)

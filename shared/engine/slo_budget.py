@@ -35,6 +35,8 @@ prompt tokens here, paid again at every chunk)."""
 MIN_CHUNK_TOKENS = 256
 """The smallest prompt chunk worth a step beside decodes: a smaller cap schedules none, and
 the decode-only steps rebuild the slack (unless the decodes alone miss the target)."""
+TTFT_URGENT_FRACTION = 0.6
+"""A prompt whose wait plus prefill reaches this fraction of the TTFT target goes now."""
 TARGET_FRACTION = 0.9
 """The budget aims at this fraction of the TPOT target (a margin for the estimates)."""
 MIN_PREFILL_SAMPLE = 32
@@ -80,13 +82,17 @@ class PrefillBudget:
         max_num_batched_tokens: the step's token budget (the cap never exceeds it).
         min_prefill_tokens: prompt tokens a step carries beside decodes when the decodes
             alone exceed the target, so that a prefill still progresses (block_size).
+        slo_ttft_s: the TTFT target, seconds (0: none). A waiting prompt that can still keep
+            it but would not after TTFT_URGENT_FRACTION of it is urgent: the cap lets it
+            through whole (`cap`). A prompt that can no longer keep it gets no such favour.
     """
 
     def __init__(self, slo_tpot_s: float, max_num_batched_tokens: int,
-                 min_prefill_tokens: int) -> None:
+                 min_prefill_tokens: int, slo_ttft_s: float = 0.0) -> None:
         if slo_tpot_s <= 0:
             raise ValueError(f"slo_tpot_s must be > 0, got {slo_tpot_s}")
         self.slo_tpot_s = slo_tpot_s * TARGET_FRACTION
+        self.slo_ttft_s = slo_ttft_s
         self.max_num_batched_tokens = max_num_batched_tokens
         self.min_prefill_tokens = min_prefill_tokens
         self.min_chunk_tokens = max(min_prefill_tokens,
@@ -109,7 +115,8 @@ class PrefillBudget:
         self.s_per_token = per_token if self.s_per_token == 0 else \
             self.s_per_token + EMA_WEIGHT * (per_token - self.s_per_token)
 
-    def cap(self, running: Iterable[Request], now: float) -> int | None:
+    def cap(self, running: Iterable[Request], now: float,
+            waiting: Iterable[Request] = ()) -> int | None:
         """Prompt tokens the next step may carry; None: no cap (no stream decoding, or no
         cost estimate yet)."""
         if self.s_per_token <= 0:
@@ -118,8 +125,26 @@ class PrefillBudget:
         if slack == float("inf"):
             return None
         tokens = int(slack / self.s_per_token) if slack > 0 else 0
+        tokens = max(tokens, self.urgent_prompt_tokens(waiting, now))
         if tokens >= self.min_chunk_tokens:
             return min(tokens, self.max_num_batched_tokens)
         if self.t_decode_s < self.slo_tpot_s:
             return 0  # decode-only steps rebuild the slack by slo - t_decode each
         return self.min_prefill_tokens  # the decodes alone miss: prompts still progress
+
+    def urgent_prompt_tokens(self, waiting: Iterable[Request], now: float) -> int:
+        """The most prompt tokens left of one waiting prompt whose TTFT target is still
+        reachable (its wait plus its prefill at the learned cost fit in `slo_ttft_s`) but
+        will not be once it has waited until TTFT_URGENT_FRACTION of it; 0 if none (or no
+        TTFT target). Streams with their KV from a prefill instance are not prompts."""
+        if self.slo_ttft_s <= 0:
+            return 0
+        most = 0
+        for r in waiting:
+            left = r.num_tokens - r.num_computed_tokens
+            if r.output_token_ids or left <= 1:
+                continue
+            done_at = now - r.arrival_time + left * self.s_per_token
+            if TTFT_URGENT_FRACTION * self.slo_ttft_s <= done_at <= self.slo_ttft_s:
+                most = max(most, left)
+        return most

@@ -10,6 +10,7 @@ from pdserve.shared.engine.slo_budget import (
     MIN_CHUNK_TOKENS,
     MIN_PREFILL_SAMPLE,
     TARGET_FRACTION,
+    TTFT_URGENT_FRACTION,
     PrefillBudget,
     decode_slack,
 )
@@ -162,3 +163,25 @@ def test_scheduler_cap_stops_admissions_in_order():
     scheduler.update_from_output(out, runner.execute(out))
     run_all(scheduler, runner)
     assert scheduler.kv_cache_manager.usage == 0
+
+
+def test_a_prompt_about_to_miss_its_ttft_goes_whole_but_a_lost_one_does_not():
+    budget = PrefillBudget(0.1, max_num_batched_tokens=2048, min_prefill_tokens=16,
+                           slo_ttft_s=2.0)
+    budget.t_decode_s, budget.s_per_token = 0.04, 0.001
+    behind = decoding("d", 2, first_token_time=0.0)  # no slack at all
+    now = 100.0
+    # 500 tokens = 0.5 s of prefill; waited 0.6 s: done at 1.1 s < 0.6 x 2 s: not urgent
+    calm = Request("calm", [1] * 500, SamplingParams(max_tokens=8), arrival_time=now - 0.6)
+    assert budget.cap([behind], now, [calm]) == 0
+    # waited 1.0 s: done at 1.5 s, past 0.6 x 2 s and still within 2 s: urgent, whole
+    urgent = Request("urgent", [1] * 500, SamplingParams(max_tokens=8), arrival_time=now - 1.0)
+    assert TTFT_URGENT_FRACTION * 2.0 <= 1.5 <= 2.0
+    assert budget.cap([behind], now, [calm, urgent]) == 500
+    # waited 1.8 s: done at 2.3 s, it cannot keep its target any more: no favour
+    lost = Request("lost", [1] * 500, SamplingParams(max_tokens=8), arrival_time=now - 1.8)
+    assert budget.cap([behind], now, [calm, lost]) == 0
+    # without a TTFT target nobody is urgent
+    plain = PrefillBudget(0.1, max_num_batched_tokens=2048, min_prefill_tokens=16)
+    plain.t_decode_s, plain.s_per_token = 0.04, 0.001
+    assert plain.cap([behind], now, [urgent]) == 0
