@@ -123,12 +123,14 @@ class SchedulerConfig:
     """Same as ModelConfig.max_model_len; copied so the scheduler needs no ModelConfig."""
     long_prefill_token_threshold: int = 0
     """If > 0, a prefill chunk is capped at this many tokens per step."""
-    scheduling_policy: Literal["sjf", "fcfs"] = "sjf"
+    scheduling_policy: Literal["sjf", "fcfs", "priority"] = "sjf"
     """Which waiting request is admitted next. "sjf": the one with the fewest tokens left
     to compute (shortest job first: a burst's median request gets its first token after the
     short prompts, not after half of all prompt tokens), except that requests waiting longer
     than `max_wait_s` go first, oldest first, so no long prompt starves; "fcfs": arrival
-    order. Preempted requests resume before either."""
+    order. Preempted requests resume before either. "priority" (vLLM's): by the requests'
+    `priority` (lower first), then arrival, preempted ones included; the running requests
+    are kept in that order, so a preemption takes the lowest priority, newest first."""
     max_wait_s: float = 10.0
     """"sjf": seconds after which a waiting request is admitted in arrival order."""
     burst_gap_s: float = 0.004

@@ -127,7 +127,7 @@ class EngineArgs:
                             "flag; 0: no cap): bounds how long a prefill step holds the cores")
         g.add_argument("--scheduling-policy", default=env("scheduling_policy",
                                                           d.scheduling_policy),
-                       choices=["sjf", "fcfs"],
+                       choices=["sjf", "fcfs", "priority"],
                        help="waiting requests: shortest prompt first (with a 10 s aging "
                             "bound) or arrival order")
         g.add_argument("--burst-gap-ms", type=float,

@@ -61,12 +61,17 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (vLLM's name); the
     request ends when the grammar does (EOS allowed only where it accepts)."""
+    priority: int = 0
+    """Scheduling, not sampling: vLLM's request `priority` (lower is admitted first, and
+    preempted last); an engine refuses a non-zero one unless its --scheduling-policy is
+    "priority". Carried with the params since every engine request holds them."""
 
     def __post_init__(self) -> None:
         self._verify()
 
     def _verify(self) -> None:
         _check_int("n", self.n, lo=1)
+        _check_int("priority", self.priority)
         _check_float("temperature", self.temperature, lo=0.0)
         _check_float("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         _check_int("top_k", self.top_k, lo=-1)

@@ -34,7 +34,7 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         logit_bias=dict(p.logit_bias) or None,
         structured_outputs=structured_outputs_from_proto(p.structured_outputs)
-        if p.HasField("structured_outputs") else None)
+        if p.HasField("structured_outputs") else None, priority=p.priority)
 
 
 def structured_outputs_from_proto(p: pb.StructuredOutputs) -> StructuredOutputsParams:

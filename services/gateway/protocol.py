@@ -65,6 +65,8 @@ class SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None
+    priority: int = 0
+    """vLLM's: lower is served first; only with the engines' --scheduling-policy priority."""
     response_format: dict | None = None
     structured_outputs: dict | None = None
     """vLLM's extra body: json / regex / choice / grammar / json_object / structural_tag."""

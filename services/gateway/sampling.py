@@ -92,7 +92,7 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
         raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
     if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX - max_n:
         raise bad_request("seed must fit in a signed 64-bit integer", "seed")
-    for name in ("top_k", "min_tokens"):
+    for name in ("top_k", "min_tokens", "priority"):
         value = getattr(req, name)
         if value is not None and abs(value) > _INT32_MAX:
             raise bad_request(f"{name} is out of range", name)
@@ -118,7 +118,7 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop_token_ids=stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, priority=req.priority)
     except ValueError as e:
         message = str(e)
         if message.startswith("max_tokens "):
@@ -167,7 +167,8 @@ def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingPara
         temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_tokens or 0,
-        min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos)
+        min_tokens=sp.min_tokens, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+        priority=sp.priority)
     if sp.seed is not None:
         params.seed = sp.seed + choice
     if sp.logprobs is not None:

@@ -103,6 +103,15 @@ the decode batch, and every prompt with this many uncached tokens still goes thr
 prefill service and a KV transfer."""
 
 
+UP_SLO_LOCAL_PREFILL_THRESHOLD = 1_000_000_000
+"""`pdserve up`'s default --local-prefill-threshold under latency targets (--slo-ttft-ms or
+--slo-tpot-ms): every prompt is prefilled on the decode engine. `pdserve up` runs every engine
+on one host's cores, where the split buys no compute and costs a transfer and a second
+engine competing for the same cores; under steady (Poisson) load the unified path met the
+targets for more requests (docs/benchmarks.md, "Goodput under SLOs"). The prefill service
+still runs (an explicit --local-prefill-threshold, or a failover, uses it)."""
+
+
 _COMPAT_FLAGS = ("tokenizer", "chat-template", "metrics-compat", "tool-call-parser")
 _COMPAT_LISTS = ("allowed-origins", "allowed-methods", "allowed-headers")
 _COMPAT_SWITCHES = ("allow-credentials", "protect-metrics", "enable-auto-tool-choice")
@@ -122,7 +131,9 @@ def _gateway_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     for flag, _, _ in _GATEWAY_FLAGS:
         value = getattr(ns, flag.replace("-", "_"))
         if flag == "local-prefill-threshold" and value is None:
-            value = UP_LOCAL_PREFILL_THRESHOLD
+            value = (UP_SLO_LOCAL_PREFILL_THRESHOLD
+                     if getattr(ns, "slo_ttft_ms", 0) or getattr(ns, "slo_tpot_ms", 0)
+                     else UP_LOCAL_PREFILL_THRESHOLD)
         if value is not None:
             out += [f"--{flag}", str(value)]
     return tuple(out)

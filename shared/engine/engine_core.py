@@ -139,6 +139,10 @@ class EngineCore:
         validate_request(request, self.model_runner.args.vocab_size,
                          self.model_config.max_model_len, self.kv_cache_manager.block_size,
                          self.num_gpu_blocks)
+        priority = request.sampling_params.priority
+        if priority and self.scheduler.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(f"priority: got priority {priority}, but priority scheduling is "
+                             "not enabled (--scheduling-policy priority)")
 
     def add_request(self, request: Request) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued.

@@ -17,6 +17,7 @@ request is dropped. Its freed blocks are only reused by the next schedule().)
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +35,7 @@ from pdserve.shared.engine.scheduling_policy import (
     admission_order,
     min_tpot_slack,
     prefill_urgency,
+    priority_key,
 )
 from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
@@ -251,7 +253,10 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if config.scheduling_policy == "priority":  # preemption pops the end
+                bisect.insort(self.running, request, key=priority_key)
+            else:
+                self.running.append(request)
             scheduled.append(self._schedule_tokens(request, num_new_tokens))
             token_budget -= num_new_tokens
             if num_new_tokens > 1:

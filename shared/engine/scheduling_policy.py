@@ -67,6 +67,12 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, bloc
                          "lower max_tokens")
 
 
+def priority_key(request: Request) -> tuple[int, float]:
+    """"priority" policy order: the request's `priority` (lower first), then arrival (vLLM's
+    priority scheduling)."""
+    return request.sampling_params.priority, request.arrival_time
+
+
 def admission_order(waiting: Iterable[Request], config: SchedulerConfig) -> list[Request]:
     """The waiting requests in the order `Scheduler.schedule()` tries to admit them.
 
@@ -78,6 +84,8 @@ def admission_order(waiting: Iterable[Request], config: SchedulerConfig) -> list
     Rank"); the wait bound is plain aging.
     """
     waiting = list(waiting)
+    if config.scheduling_policy == "priority":
+        return sorted(waiting, key=priority_key)
     if config.scheduling_policy == "fcfs" or len(waiting) < 2:
         return waiting
     resumed = [r for r in waiting if r.status == RequestStatus.PREEMPTED]

@@ -199,6 +199,20 @@ async def test_malformed_request_gets_400_then_service_works(real_gateway):
     assert ok.choices[0].message.content and ok.usage.completion_tokens == 8
 
 
+async def test_priority_without_the_priority_policy_is_a_400_naming_it(real_gateway):
+    """vLLM's `priority` reaches the engines, which refuse it under the default policy."""
+    client = real_gateway.client
+    for extra in ({"priority": 2}, {"priority": -1}):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=SERVED_MODEL, messages=SWIM,
+                                                 max_tokens=4, extra_body=extra)
+        body = info.value.response.json()["error"]
+        assert "priority scheduling is not enabled" in body["message"], body
+    ok = await client.chat.completions.create(model=SERVED_MODEL, messages=SWIM, max_tokens=4,
+                                              extra_body={"priority": 0})
+    assert ok.usage.completion_tokens == 4
+
+
 async def test_overload_on_real_engines_429_then_all_complete(model_path, real_cluster):
     """Issue 6 at 4x overload on REAL engines: a gateway with a queue of 4 gets 16 streams at
     once; the excess answers 429 + Retry-After, every accepted stream completes with the

@@ -285,8 +285,14 @@ async def test_sampling_params_reach_the_engine(gateway):
                         ("repetition_penalty", 1.2)):
         assert math.isclose(getattr(sp, name), value, rel_tol=1e-6)
     assert not sp.HasField("logprobs")
+    await gateway.http.post(COMPLETIONS, json=completion_body("Hi", max_tokens=3, priority=-3))
+    assert gateway.prefill.rec.requests[-1].sampling_params.priority == -3
+    for bad in (2 ** 40, "high"):
+        r = await gateway.http.post(CHAT, json=chat_body(max_tokens=2, priority=bad))
+        assert r.status_code == 400 and "priority" in r.text, r.text
     await gateway.http.post(CHAT, json=chat_body(max_tokens=2))
     default = gateway.prefill.rec.requests[-1].sampling_params
+    assert default.priority == 0
     assert (default.temperature, default.top_p, default.repetition_penalty) == (1.0, 1.0, 1.0)
     assert not default.HasField("seed")
     await gateway.http.post(CHAT, json=chat_body())

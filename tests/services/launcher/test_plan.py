@@ -99,6 +99,22 @@ def test_plan_on_two_cores(monkeypatch):
     assert ns.redis_url == plan.redis_url and ns.block_size == 32
 
 
+def _gateway_ns(*argv: str):
+    plan = build_plan(_config(*argv), "/m", "m")
+    return build_parser().parse_args(list(plan.children[-1].argv[3:]))
+
+
+def test_latency_targets_prefill_on_the_decode_engine_unless_told_otherwise():
+    assert _gateway_ns().local_prefill_threshold == 256
+    for targets in (("--slo-ttft-ms", "2000"), ("--slo-tpot-ms", "100"),
+                    ("--slo-ttft-ms", "2000", "--slo-tpot-ms", "100")):
+        assert _gateway_ns(*targets).local_prefill_threshold == 1_000_000_000
+    # an explicit threshold wins; so does the load bound, passed through
+    ns = _gateway_ns("--slo-tpot-ms", "100", "--local-prefill-threshold", "512",
+                     "--max-prefill-queue-size", "2")
+    assert (ns.local_prefill_threshold, ns.max_prefill_queue_size) == (512, 2)
+
+
 def test_plan_without_core_share_splits_the_cores_statically():
     plan = build_plan(_config("--cpu-cores", "0-1", "--no-cpu-share"), "/m", "m")
     assert [c.cores for c in plan.children] == [(), (0,), (1,), ()]

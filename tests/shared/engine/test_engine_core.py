@@ -97,6 +97,22 @@ def test_generate_rejects_a_bad_prompt_and_queues_nothing(llm):
     assert llm.engine.kv_cache_manager.num_free_blocks == llm.engine.num_gpu_blocks - 1
 
 
+def test_priority_needs_the_priority_policy(llm, model_path):
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        llm.generate("Hi", SamplingParams(max_tokens=2, priority=3))
+    assert not llm.engine.has_unfinished_requests()
+    # priority 0 is everyone's default: accepted under any policy
+    assert llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0))[0].outputs
+    prioritized = LLM(model_path, kv_cache_memory="64MiB", max_model_len=512,
+                      scheduling_policy="priority")
+    out = prioritized.generate(["Hi", "Hello there"],
+                               [SamplingParams(max_tokens=3, temperature=0, priority=2),
+                                SamplingParams(max_tokens=3, temperature=0, priority=-1)])
+    alone = [llm.generate(p, SamplingParams(max_tokens=3, temperature=0))[0]
+             for p in ("Hi", "Hello there")]
+    assert [o.outputs[0].token_ids for o in out] == [a.outputs[0].token_ids for a in alone]
+
+
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
     r = Request("to-abort", list(range(1, 100)), SamplingParams(max_tokens=50))

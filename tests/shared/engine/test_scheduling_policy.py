@@ -105,3 +105,46 @@ def test_preempted_requests_resume_before_shorter_ones():
     assert victim.status == RequestStatus.PREEMPTED
     scheduler.add_request(_request("tiny", 4))
     assert scheduler._admission_order()[0] is victim
+
+
+def _prioritized(request_id: str, prompt_len: int, priority: int,
+                 max_tokens: int = 4) -> Request:
+    prompt = [(i * 7 + len(request_id)) % 90 + 1 for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, priority=priority))
+
+
+def test_priority_admits_the_lowest_priority_value_first_then_by_arrival():
+    scheduler = _scheduler(policy="priority")
+    for request_id, n, priority in (("late-low", 20, 5), ("long-urgent", 300, -1),
+                                    ("mid", 120, 0), ("short", 20, 0)):
+        scheduler.add_request(_prioritized(request_id, n, priority))
+        time.sleep(0.001)  # distinct arrival times
+    # priority first (not length), arrival breaks ties (not length either)
+    assert _admission_sequence(scheduler) == ["long-urgent", "mid", "short", "late-low"]
+
+
+def test_priority_preempts_the_lowest_priority_running_request_first():
+    # 6 usable blocks: three 2-block prompts that each grow past their blocks
+    scheduler = _scheduler(policy="priority", max_num_seqs=3, num_blocks=7)
+    for request_id, priority in (("low", 3), ("high", -2), ("mid", 0)):
+        scheduler.add_request(_prioritized(request_id, 32, priority, max_tokens=40))
+        time.sleep(0.001)
+    first = scheduler.schedule()
+    assert [s.request.request_id for s in first.scheduled] == ["high", "mid", "low"]
+    assert [r.request_id for r in scheduler.running] == ["high", "mid", "low"]
+    scheduler.update_from_output(first, {s.request.request_id: (5, None)
+                                         for s in first.scheduled if s.sample})
+    # the next token of each needs a third block: only the highest priorities keep theirs
+    out = scheduler.schedule()
+    assert out.preempted_request_ids[0] == "low"
+    assert "high" in [s.request.request_id for s in out.scheduled]
+    scheduler.update_from_output(out, {s.request.request_id: (5, None)
+                                       for s in out.scheduled if s.sample})
+    for _ in range(400):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {s.request.request_id: (5, None)
+                                           for s in out.scheduled if s.sample})
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.usage == 0
