@@ -10,9 +10,13 @@ SLO), with the budget recomputed every step from the streams' actual slack rathe
 Slack of a stream (`decode_slack`): it has n output tokens since its first token at
 `first_token_time`; its target allows `slo_tpot_s * (n - 1 + L)` seconds for the next L tokens
 (L = min(tokens it may still generate, LOOKAHEAD_TOKENS)); producing them in decode-only steps
-takes `L * t_decode_s`. The slack is the difference minus the time already used. A step of
-duration T spends T of every stream's slack: the prefill may take the smallest slack, less the
-decode part of the step itself.
+takes `L * t_decode_s`. The slack is the difference minus the time already used. The prompt
+part of the next step may take the smallest slack (the step's decode part is one of the L
+decode steps already counted). The target is taken at TARGET_FRACTION of `--slo-tpot-ms`.
+
+Both targets: a waiting prompt that can still keep its TTFT target (`--slo-ttft-ms`) but would
+not after waiting TTFT_URGENT_FRACTION of it is let through whole, whatever the slack (without
+this rule the budget held TPOT and lost on TTFT: docs/benchmarks.md, "Goodput under SLOs").
 
 Cost model (`PrefillBudget.observe`): exponential moving averages, over this engine's own
 steps, of the decode-only step time and of the seconds per prompt token of steps that carried
