@@ -154,7 +154,7 @@ def test_thread_count_is_applied_by_the_engine_step(board, monkeypatch):
             return 1
 
     class _Scheduler:
-        def schedule(self):
+        def schedule(self, max_prefill_tokens=None):
             class _Out:
                 scheduled = []
             return _Out()
@@ -306,6 +306,7 @@ def _bare_core(share, scheduler, max_yield_s: float = 0.5):
     core.slo_tpot_s = core.tpot_reserve_s = 0.0
     core._yielding_since_ns = 0
     core._last_step_end_ns = 0
+    core.prefill_budget = None
     return core
 
 
