@@ -173,6 +173,10 @@ class ParallelConfig:
     slo_ttft_s: float = 0.0
     """The TTFT target (0: none): with `slo_tpot_s`, a prompt that must start now to keep it
     is not held back by the decodes' prefill budget (`shared/engine/slo_budget.py`)."""
+    slo_early_reject: bool = False
+    """With `slo_ttft_s`: refuse at arrival a prompt predicted to miss it (Mooncake's early
+    rejection; 429 at the gateway) instead of serving it late. Off: such prompts are served
+    and counted (`pdserve_slo_ttft_unreachable`)."""
     slo_tpot_s: float = 0.0
     """Core share only: the TPOT target of this engine's streams (0: none). With one, an
     engine with only decodes lets a busy prefill engine of its host have every core while

@@ -72,6 +72,8 @@ class EngineArgs:
     an engine yields its turn on the core share (a quarter of it)."""
     slo_tpot_ms: float = 0.0
     """Latency target per output token (DistServe's TPOT SLO); 0: none."""
+    slo_early_reject: bool = False
+    """With --slo-ttft-ms: refuse (429) a prompt predicted at arrival to miss it."""
     quantization: str = "none"
     seed: int | None = None
     speculative_config: str | dict | None = None
@@ -196,6 +198,11 @@ class EngineArgs:
                        help="time-per-output-token target (ms; 0: none): with a core share, "
                             "a decode engine lets the host's prefill engine have every core "
                             "while its streams have slack")
+        g.add_argument("--slo-early-reject", action="store_true",
+                       default=env_bool("slo_early_reject", d.slo_early_reject),
+                       help="with --slo-ttft-ms: refuse (429, Retry-After) a prompt predicted "
+                            "at arrival to miss the TTFT target (Mooncake's early rejection); "
+                            "off: it is served, counted in pdserve_slo_ttft_unreachable")
         g.add_argument("--trace-file", default=env("trace_file", d.trace_file),
                        help="append this engine's timeline (steps, core-share waits, KV "
                             "transfers) to this Chrome-trace file, for Perfetto; every engine "
@@ -284,6 +291,8 @@ class EngineArgs:
                              f"{self.long_prefill_token_threshold}")
         if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
             raise ValueError("slo_ttft_ms and slo_tpot_ms must be >= 0 (0: no target)")
+        if self.slo_early_reject and self.slo_ttft_ms <= 0:
+            raise ValueError("--slo-early-reject needs a TTFT target (--slo-ttft-ms)")
         if self.max_decode_stall_ms < 0:
             raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if self.burst_gap_ms < 0:
@@ -326,6 +335,7 @@ class EngineArgs:
                                                       if self.slo_ttft_ms > 0 else 0.5),
                                          slo_ttft_s=self.slo_ttft_ms / 1000.0,
                                          slo_tpot_s=self.slo_tpot_ms / 1000.0,
+                                         slo_early_reject=self.slo_early_reject,
                                          trace_file=self.trace_file)
         logger.info("config: %s %s %s %s", model_config, cache_config, scheduler_config,
                     parallel_config)

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 import grpc
 
+from pdserve.shared.engine.slo_budget import TTFTUnreachableError
 from pdserve.shared.kv_transfer.codec import KVCodecError
 
 logger = logging.getLogger(__name__)
@@ -24,10 +25,14 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """(code, message) for an exception raised by a worker.
 
     ValueError (bad input: sampling params, prompt, KV handle) is INVALID_ARGUMENT with its
-    own text; anything unexpected is INTERNAL (and logged with its traceback by the caller).
+    own text; a prompt refused by early rejection (TTFTUnreachableError) is RESOURCE_EXHAUSTED
+    (the gateway's retryable 429); anything unexpected is INTERNAL (and logged with its
+    traceback by the caller).
     """
     if isinstance(exc, ServiceError):
         return exc.code, str(exc)
+    if isinstance(exc, TTFTUnreachableError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, KVCodecError):
         return grpc.StatusCode.DATA_LOSS, f"bad KV chunk: {exc}"
     if isinstance(exc, ValueError):

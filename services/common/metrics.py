@@ -78,6 +78,11 @@ class ServiceMetrics:
             "their request's abort had arrived (work for nobody: at most the chunk of the step "
             "in flight when the abort came).")
         self._after_abort_seen = 0
+        self._ttft_unreachable = counter(
+            "slo_ttft_unreachable", "New prompts predicted at arrival to miss the TTFT target "
+            "(--slo-ttft-ms), by what happened to them: served anyway, or rejected "
+            "(--slo-early-reject).", ("action",))
+        self._ttft_unreachable_seen = {"served": 0, "rejected": 0}
         self._request_success = counter("request_success", "Finished requests by reason.",
                                         ("finished_reason",))
         self._ttft = histogram("time_to_first_token_seconds",
@@ -94,6 +99,10 @@ class ServiceMetrics:
                                        "KV payload bytes received.")
         self._redis_up = gauge("redis_up", "1 while the Redis prefix index is reachable, 0 "
                                "while serving without it (absent without --redis-url).")
+        self._index_dropped = counter(
+            "prefix_index_writes_dropped", "Block-hash changes not written to the Redis prefix "
+            "index (Redis slow or unreachable); the whole hash map is republished instead once "
+            "Redis answers.")
         self._transfer_seconds = histogram("kv_transfer_seconds", "Duration of one KV transfer.",
                                            _TRANSFER_BUCKETS)
         self._model = model_name
@@ -106,7 +115,7 @@ class ServiceMetrics:
                        self._prompt_tokens, self._generation_tokens, self._after_abort,
                        self._ttft, self._itl,
                        self._e2e, self._blocks_sent, self._bytes_sent, self._blocks_received,
-                       self._bytes_received, self._transfer_seconds):
+                       self._bytes_received, self._transfer_seconds, self._index_dropped):
             self._l(metric)
 
     def _l(self, metric, **extra):
@@ -135,8 +144,20 @@ class ServiceMetrics:
             self._l(self._after_abort).inc(total - self._after_abort_seen)
             self._after_abort_seen = total
 
+    def slo_ttft_unreachable(self, total: int, rejected: int) -> None:
+        """The engine's cumulative counts (EngineCore.num_ttft_unreachable, of which
+        num_ttft_rejected were refused)."""
+        for action, value in (("served", total - rejected), ("rejected", rejected)):
+            seen = self._ttft_unreachable_seen[action]
+            if value > seen:
+                self._l(self._ttft_unreachable, action=action).inc(value - seen)
+                self._ttft_unreachable_seen[action] = value
+
     def redis_up(self, up: bool) -> None:
         self._l(self._redis_up).set(1 if up else 0)
+
+    def index_writes_dropped(self, num_hashes: int) -> None:
+        self._l(self._index_dropped).inc(num_hashes)
 
     def request_finished(self, reason: str, num_prompt_tokens: int, num_generated: int,
                          e2e_seconds: float) -> None:

@@ -1,17 +1,26 @@
 """InstanceMonitor: polls the engine, feeds the metrics, keeps the Redis prefix index current.
 
-Every `publish_interval` one engine-thread op drains the KV cache events (BlockStored /
-BlockRemoved / AllBlocksCleared) and snapshots the stats; the events' net effect is
-published to this instance's held set. Every `heartbeat_interval` the registration is
-refreshed, by a task of its own that never waits for the engine thread (a tick does, as long
-as the step in flight takes: seconds for a long prefill, past the registration's TTL on a
-loaded machine). When Redis was unreachable (events were dropped) or lost our keys (restart,
-TTL lapsed) the next tick republishes the whole hash map, snapshotted on the engine thread
-together with the event drain so that nothing falls between the two. The `pdserve_redis_up`
-gauge follows the index's connection state after every tick and heartbeat.
+    tick (every publish_interval)   one engine-thread op: drain the KV cache events
+        │                           (BlockStored / BlockRemoved / AllBlocksCleared), snapshot
+        │                           the stats; their net effect joins the pending changes
+        ▼                           (at most MAX_PENDING_HASHES: past it they are dropped)
+    writer task                     sends them to Redis: publish the pending changes, or, when
+                                    dirty, register + republish the whole hash map
+    heartbeat (heartbeat_interval)  refreshes the registration; a new one (Redis restarted,
+                                    TTL lapsed) or no answer makes the index dirty
+
+Nothing here waits on Redis in the engine's or a request's path: the tick hands its changes
+to the writer and returns, and a Redis that is slow or gone costs dropped writes (counted in
+`pdserve_prefix_index_writes_dropped_total`), never a step. Dropped changes (overflow, or a
+publish Redis did not take) make the index dirty: the next write republishes the whole hash
+map, snapshotted on the engine thread together with the event drain so that nothing falls
+between the two. The heartbeat is a task of its own that never waits for the engine thread
+(a tick does, as long as the step in flight takes: seconds for a long prefill, past the
+registration's TTL on a loaded machine). The `pdserve_redis_up` gauge follows the index's
+connection state after every write and heartbeat.
 
 `leave()` (a draining instance) drops the registration and the held set at once and stops
-writing to Redis, so every gateway stops routing here within its registry cache (1 s),
+writing to Redis, so every gateway stops routing here within its registry refresh (1 s),
 while the metrics keep following the requests that finish.
 """
 
@@ -26,6 +35,10 @@ from pdserve.shared.kv_cache.block_pool import BlockStored, KVCacheEvent
 from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_HASHES = 65536
+"""Block-hash changes waiting for Redis, at most: past it they are dropped (and counted) and
+the next write republishes the whole hash map instead."""
 
 
 def net_changes(events: list[KVCacheEvent]) -> tuple[list[bytes], list[bytes]]:
@@ -50,9 +63,16 @@ class InstanceMonitor:
         self.stats: EngineStats | None = None
         self.dirty = True
         """Redis may not match our cache: republish everything at the next chance."""
+        self._pending: dict[bytes, bool] = {}
+        """Net changes not yet written: block hash -> held (True) or removed (False)."""
+        self._wake = asyncio.Event()
+        """Set when there is something for the writer task to do."""
         self._tasks: list[asyncio.Task] = []
         self._lock = asyncio.Lock()
-        """Serializes ticks, resyncs and leave() (held while a tick waits for the engine)."""
+        """Serializes ticks with the resync's snapshot (held while a tick waits for the
+        engine, never across a Redis call)."""
+        self._write_lock = asyncio.Lock()
+        """Serializes writes to Redis with leave()."""
         self._register_lock = asyncio.Lock()
         """Serializes heartbeats with leave() (never held across an engine op)."""
         self._left = False
@@ -60,7 +80,8 @@ class InstanceMonitor:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run()), loop.create_task(self._beat())]
+        self._tasks = [loop.create_task(self._run()), loop.create_task(self._beat()),
+                       loop.create_task(self._write_forever())]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -74,7 +95,7 @@ class InstanceMonitor:
         Should Redis not answer, the registration expires within its TTL all the same."""
         if self.index is None or self._left:
             return
-        async with self._lock, self._register_lock:
+        async with self._write_lock, self._register_lock:
             self._left = True
             if await self.index.unregister(self.worker.identity.instance_id):
                 logger.info("%s left the registry", self.worker.identity.instance_id)
@@ -105,23 +126,68 @@ class InstanceMonitor:
             await asyncio.sleep(interval)
 
     async def tick(self) -> None:
-        """Drain events, update metrics, publish the net changes."""
+        """Drain events, update metrics, queue the net changes for the writer
+        (never waits on Redis)."""
         async with self._lock:
-            events, self.stats, after_abort = await self.worker.engine.call(
+            events, self.stats, after_abort, unreachable = await self.worker.engine.call(
                 lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
-                           e.num_prompt_tokens_after_abort))
+                           e.num_prompt_tokens_after_abort,
+                           (e.num_ttft_unreachable, e.num_ttft_rejected)))
             self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks())
             self.worker.metrics.prompt_tokens_after_abort(after_abort)
+            self.worker.metrics.slo_ttft_unreachable(*unreachable)
             if self.index is None or self._left:
+                return
+            self._queue(events)
+
+    def _queue(self, events: list[KVCacheEvent]) -> None:
+        if not self.dirty:  # else the resync's snapshot covers these events
+            added, removed = net_changes(events)
+            self._pending.update(dict.fromkeys(added, True))
+            self._pending.update(dict.fromkeys(removed, False))
+            if len(self._pending) > MAX_PENDING_HASHES:
+                self._drop(len(self._pending), "Redis is slow")
+        if self.dirty or self._pending:
+            self._wake.set()
+
+    def _drop(self, num_hashes: int, why: str) -> None:
+        """Forget the pending changes (counted): the next write republishes everything."""
+        if num_hashes:
+            logger.warning("prefix index: %d block-hash changes dropped (%s); republishing "
+                           "the whole hash map at the next write", num_hashes, why)
+            self.worker.metrics.index_writes_dropped(num_hashes)
+        self._pending = {}
+        self.dirty = True
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.write()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let monitoring take the service down
+                logger.exception("instance monitor write failed")
+
+    async def write(self) -> None:
+        """Send what is pending to Redis: the whole hash map when dirty, else the net
+        changes (a publish Redis does not take is dropped: the index turns dirty)."""
+        if self.index is None:
+            return
+        async with self._write_lock:
+            if self._left:
                 return
             try:
                 if self.dirty:
                     await self._resync()
-                    return
-                added, removed = net_changes(events)
-                if not await self.index.publish(self.worker.identity.instance_id, added,
-                                                removed):
-                    self.dirty = True
+                elif self._pending:
+                    pending, self._pending = self._pending, {}
+                    if not await self.index.publish(
+                            self.worker.identity.instance_id,
+                            [h for h, held in pending.items() if held],
+                            [h for h, held in pending.items() if not held]):
+                        self._drop(len(pending) + len(self._pending), "Redis did not take them")
             finally:
                 self.worker.metrics.redis_up(self.index.is_up)
 
@@ -136,25 +202,30 @@ class InstanceMonitor:
             is_new = await self.index.register(self.info())
         if is_new is None or is_new:
             self.dirty = True
+            self._wake.set()
         self.worker.metrics.redis_up(self.index.is_up)
 
     async def flush(self) -> None:
         """Publish everything pending now (tests, shutdown)."""
         await self.tick()
+        await self.write()
         if self.dirty:
-            await self.tick()  # a resync
+            await self.write()  # a resync
 
     async def _resync(self) -> None:
         assert self.index is not None
         instance_id = self.worker.identity.instance_id
         if await self.index.register(self.info()) is None:
             return
-        hashes = await self.worker.engine.call(snapshot_hashes_op)
-        if await self.index.republish(instance_id, hashes):
-            if self.dirty:
-                logger.info("prefix index: republished %d block hashes of %s", len(hashes),
-                            instance_id)
+        async with self._lock:  # no tick between the snapshot and the pending changes
+            hashes = await self.worker.engine.call(snapshot_hashes_op)
+            self._pending = {}
             self.dirty = False
+        if await self.index.republish(instance_id, hashes):
+            logger.info("prefix index: republished %d block hashes of %s", len(hashes),
+                        instance_id)
+        else:
+            self.dirty = True
 
 
 def snapshot_hashes_op(engine) -> list[bytes]:

@@ -21,7 +21,7 @@ from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.scheduler_output import SchedulerOutput
 from pdserve.shared.engine.scheduling_policy import validate_request
-from pdserve.shared.engine.slo_budget import PrefillBudget
+from pdserve.shared.engine.slo_budget import PrefillBudget, TTFTUnreachableError
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -113,9 +113,16 @@ class EngineCore:
             PrefillBudget(parallel_config.slo_tpot_s, scheduler_config.max_num_batched_tokens,
                           min_prefill_tokens=cache_config.block_size,
                           slo_ttft_s=parallel_config.slo_ttft_s)
-            if parallel_config.slo_tpot_s > 0 else None)
+            if parallel_config.slo_tpot_s > 0 or parallel_config.slo_ttft_s > 0 else None)
         """With a TPOT target: each step's prompt tokens beside running decodes are capped
-        by the streams' slack (slo_budget.py); None: only the token budget."""
+        by the streams' slack (slo_budget.py); with a TTFT target: new prompts' first tokens
+        are predicted (`check_ttft_reachable`); None: no targets, only the token budget."""
+        self.slo_early_reject = parallel_config.slo_early_reject
+        """Refuse a new prompt predicted to miss the TTFT target (TTFTUnreachableError)."""
+        self.num_ttft_unreachable = 0
+        """New prompts predicted, at arrival, to miss the TTFT target (served or refused)."""
+        self.num_ttft_rejected = 0
+        """Of those, refused (`--slo-early-reject`)."""
         self.aborts_arrived: Container[str] = frozenset()
         """Ids whose abort has arrived but may not be applied yet (AsyncEngine's `aborting`,
         written by another thread: only membership is read here)."""
@@ -149,8 +156,36 @@ class EngineCore:
         (A guided request's grammar: see structured_output/manager.py; the offline engine
         blocks here until it is compiled.)"""
         self.validate_request(request)
+        self.check_ttft_reachable(request)
         self.structured_output.init_request(request)
         self.scheduler.add_request(request)
+
+    def check_ttft_reachable(self, request: Request) -> None:
+        """With a TTFT target, predict a new prompt's first token (`PrefillBudget.
+        predict_ttft_s`, a lower bound); one predicted past the target is counted
+        (`num_ttft_unreachable`) and logged, and with `slo_early_reject` refused.
+
+        Raises:
+            TTFTUnreachableError: refused (nothing queued, no block held).
+        """
+        budget = self.prefill_budget
+        if budget is None or budget.slo_ttft_s <= 0 or request.output_token_ids or \
+                not budget.recent_s_per_token:
+            return
+        cached = self.kv_cache_manager.get_computed_blocks(request).num_computed_tokens
+        predicted = budget.predict_ttft_s(request, cached, self.scheduler.waiting,
+                                          self.scheduler.running,
+                                          self.scheduler.scheduler_config, time.monotonic())
+        if predicted is None or predicted <= budget.slo_ttft_s:
+            return
+        self.num_ttft_unreachable += 1
+        if not self.slo_early_reject:
+            logger.info("[%s] predicted to miss the TTFT target: first token at %.2f s "
+                        "(target %.2f s)", request.request_id, predicted, budget.slo_ttft_s)
+            return
+        self.num_ttft_rejected += 1
+        self.kv_cache_manager.free(request)  # forget its memoized block hashes
+        raise TTFTUnreachableError(request.request_id, predicted, budget.slo_ttft_s)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Abort now; their blocks go back to the pool at once."""

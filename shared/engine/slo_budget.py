@@ -18,6 +18,15 @@ Both targets: a waiting prompt that can still keep its TTFT target (`--slo-ttft-
 not after waiting TTFT_URGENT_FRACTION of it is let through whole, whatever the slack (without
 this rule the budget held TPOT and lost on TTFT: docs/benchmarks.md, "Goodput under SLOs").
 
+Early rejection (Mooncake, FAST '25: reject at arrival a request the predicted load would make
+miss its SLO, rather than serve it late and slow everyone else): with a TTFT target,
+`PrefillBudget.predict_ttft_s` estimates a new prompt's first token from the prompt tokens
+queued ahead of it (in the scheduler's admission order), its own uncached tokens and the
+fastest cost per token of the engine's recent prompt steps. It ignores the decode steps interleaved meanwhile, so it is a lower
+bound: a prompt predicted to miss will miss. `EngineCore` counts such prompts and, with
+`--slo-early-reject`, refuses them (`TTFTUnreachableError`: RESOURCE_EXHAUSTED between
+services, 429 with Retry-After at the gateway).
+
 Cost model (`PrefillBudget.observe`): exponential moving averages, over this engine's own
 steps, of the decode-only step time and of the seconds per prompt token of steps that carried
 at least MIN_PREFILL_SAMPLE prompt tokens (prefill on a CPU is compute bound: its cost is close
@@ -27,9 +36,12 @@ the chunk is 128 or 2048 tokens).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
-from pdserve.shared.request import Request
+from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.scheduling_policy import admission_order
+from pdserve.shared.request import Request, RequestStatus
 
 LOOKAHEAD_TOKENS = 64
 """Tokens ahead a stream's slack looks (its budget for them is granted up front). Short
@@ -47,6 +59,25 @@ MIN_PREFILL_SAMPLE = 32
 """Steps with fewer prompt tokens do not update the seconds-per-token estimate (noise)."""
 EMA_WEIGHT = 0.2
 """Weight of the newest observation in the moving averages."""
+PREDICT_WINDOW = 16
+"""Prompt steps whose cost per token the TTFT prediction takes the fastest of."""
+
+
+class TTFTUnreachableError(RuntimeError):
+    """A new prompt cannot keep the TTFT target even if it were served at the learned rate
+    (raised by `EngineCore.add_request` with `--slo-early-reject`; nothing was queued).
+
+    Attributes:
+        predicted_s: the predicted time to first token, seconds since the request's arrival.
+        slo_ttft_s: the target, seconds.
+    """
+
+    def __init__(self, request_id: str, predicted_s: float, slo_ttft_s: float) -> None:
+        super().__init__(f"request {request_id!r} cannot meet the TTFT target: its first token "
+                         f"is predicted at {predicted_s:.2f} s (target {slo_ttft_s:.2f} s, "
+                         "--slo-early-reject)")
+        self.predicted_s = predicted_s
+        self.slo_ttft_s = slo_ttft_s
 
 
 def decode_slack(running: Iterable[Request], slo_tpot_s: float, t_decode_s: float,
@@ -79,10 +110,11 @@ def decode_slack(running: Iterable[Request], slo_tpot_s: float, t_decode_s: floa
 
 
 class PrefillBudget:
-    """Per-step cap on prompt tokens for one engine with a TPOT target (module docstring).
+    """Per-step cap on prompt tokens for one engine with latency targets, and the TTFT
+    prediction of early rejection (module docstring).
 
     Args:
-        slo_tpot_s: the TPOT target, seconds (> 0).
+        slo_tpot_s: the TPOT target, seconds (0: none, `cap` never caps).
         max_num_batched_tokens: the step's token budget (the cap never exceeds it).
         min_prefill_tokens: prompt tokens a step carries beside decodes when the decodes
             alone exceed the target, so that a prefill still progresses (block_size).
@@ -93,8 +125,9 @@ class PrefillBudget:
 
     def __init__(self, slo_tpot_s: float, max_num_batched_tokens: int,
                  min_prefill_tokens: int, slo_ttft_s: float = 0.0) -> None:
-        if slo_tpot_s <= 0:
-            raise ValueError(f"slo_tpot_s must be > 0, got {slo_tpot_s}")
+        if slo_tpot_s < 0 or slo_ttft_s < 0:
+            raise ValueError(f"slo_tpot_s and slo_ttft_s must be >= 0, got {slo_tpot_s}, "
+                             f"{slo_ttft_s}")
         self.slo_tpot_s = slo_tpot_s * TARGET_FRACTION
         self.slo_ttft_s = slo_ttft_s
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -105,6 +138,11 @@ class PrefillBudget:
         """EMA of decode-only step durations, seconds (a guess until the first one)."""
         self.s_per_token = 0.0
         """EMA of seconds per prompt token (0: no observation yet, no cap)."""
+        self.recent_s_per_token: deque[float] = deque(maxlen=PREDICT_WINDOW)
+        """Seconds per prompt token of the last PREDICT_WINDOW prompt steps but the engine's
+        first (one-time costs: allocations, kernel set-up); `predict_ttft_s` takes the
+        fastest, so that its prediction stays a lower bound."""
+        self._num_prefill_samples = 0
 
     def observe(self, step_s: float, num_decode_tokens: int, num_prefill_tokens: int) -> None:
         """Record one step: its wall time (seconds) and its decode and prompt token counts."""
@@ -116,6 +154,9 @@ class PrefillBudget:
             return
         per_token = max(0.0, step_s - (self.t_decode_s if num_decode_tokens else 0.0)) \
             / num_prefill_tokens
+        self._num_prefill_samples += 1
+        if self._num_prefill_samples > 1 and per_token > 0:
+            self.recent_s_per_token.append(per_token)
         self.s_per_token = per_token if self.s_per_token == 0 else \
             self.s_per_token + EMA_WEIGHT * (per_token - self.s_per_token)
 
@@ -123,7 +164,7 @@ class PrefillBudget:
             waiting: Iterable[Request] = ()) -> int | None:
         """Prompt tokens the next step may carry; None: no cap (no stream decoding, or no
         cost estimate yet)."""
-        if self.s_per_token <= 0:
+        if self.s_per_token <= 0 or self.slo_tpot_s <= 0:
             return None
         slack = decode_slack(running, self.slo_tpot_s, self.t_decode_s, now)
         if slack == float("inf"):
@@ -152,3 +193,30 @@ class PrefillBudget:
             if TTFT_URGENT_FRACTION * self.slo_ttft_s <= done_at <= self.slo_ttft_s:
                 most = max(most, left)
         return most
+
+    def predict_ttft_s(self, request: Request, num_cached_tokens: int,
+                       waiting: Iterable[Request], running: Iterable[Request],
+                       config: SchedulerConfig, now: float) -> float | None:
+        """Predicted seconds from `request`'s arrival to its first token, were it queued
+        now: its wait so far, plus the prompt tokens left of the running prefills and of the
+        waiting prompts admitted before it (`admission_order`), plus its own tokens past
+        `num_cached_tokens` (its prefix-cache hit), at the learned seconds per token.
+        Streams (requests with output tokens: their KV came from a prefill instance, or
+        they were preempted) are decode work and do not count. A lower bound (the
+        interleaved decode steps are left out, and the cost per token is the fastest of the
+        recent steps). None until a cost is learned (the engine's second prompt step).
+        """
+        if not self.recent_s_per_token:
+            return None
+        s_per_token = min(self.recent_s_per_token)
+        tokens = max(0, request.num_tokens - max(num_cached_tokens, request.num_computed_tokens))
+        for r in running:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                tokens += r.num_prompt_tokens - r.num_computed_tokens
+        queue = [r for r in waiting if not r.output_token_ids
+                 and r.status != RequestStatus.WAITING_FOR_REMOTE_KVS]
+        for r in admission_order(queue + [request], config):
+            if r is request:
+                break
+            tokens += r.num_tokens - r.num_computed_tokens
+        return now - request.arrival_time + tokens * s_per_token

@@ -3,6 +3,8 @@ real `pdserve serve` parsers accept with the values the launcher meant."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shlex
 
@@ -113,6 +115,20 @@ def test_latency_targets_prefill_on_the_decode_engine_unless_told_otherwise():
     ns = _gateway_ns("--slo-tpot-ms", "100", "--local-prefill-threshold", "512",
                      "--max-prefill-queue-size", "2")
     assert (ns.local_prefill_threshold, ns.max_prefill_queue_size) == (512, 2)
+
+
+def test_early_rejection_reaches_every_engine_and_needs_a_ttft_target(model_path):
+    plan = build_plan(_config("--slo-ttft-ms", "2000", "--slo-early-reject"), "/m", "m")
+    parser = build_parser()
+    engines = [c for c in plan.children if c.name.startswith(("prefill", "decode"))]
+    assert [c.name for c in engines] == ["prefill-0", "decode-0"]
+    for spec in engines:
+        engine = EngineArgs.from_cli_args(parser.parse_args(list(spec.argv[3:])))
+        assert engine.slo_early_reject and engine.slo_ttft_ms == 2000, spec.name
+    parallel = dataclasses.replace(engine, model=model_path).create_engine_configs()[3]
+    assert parallel.slo_early_reject and parallel.slo_ttft_s == 2.0
+    with pytest.raises(ValueError, match="--slo-early-reject needs a TTFT target"):
+        EngineArgs(model=model_path, slo_early_reject=True).create_engine_configs()
 
 
 def test_plan_without_core_share_splits_the_cores_statically():

@@ -3,6 +3,8 @@ honouring it (decodes never capped, prompt chunks capped, nothing lost)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pdserve.shared.engine.slo_budget import (
@@ -12,6 +14,7 @@ from pdserve.shared.engine.slo_budget import (
     TARGET_FRACTION,
     TTFT_URGENT_FRACTION,
     PrefillBudget,
+    TTFTUnreachableError,
     decode_slack,
 )
 from pdserve.shared.request import Request
@@ -121,9 +124,15 @@ def test_a_cap_below_the_smallest_worthwhile_chunk_schedules_no_prompt():
     assert budget.cap([r], now=11.0) == 0
 
 
-def test_budget_refuses_a_non_positive_target():
+def test_budget_refuses_a_negative_target_and_without_tpot_never_caps():
     with pytest.raises(ValueError, match="slo_tpot_s"):
-        PrefillBudget(0.0, 2048, 16)
+        PrefillBudget(-0.1, 2048, 16)
+    with pytest.raises(ValueError, match="slo_ttft_s"):
+        PrefillBudget(0.1, 2048, 16, slo_ttft_s=-1.0)
+    ttft_only = PrefillBudget(0.0, 2048, 16, slo_ttft_s=2.0)  # learns costs, caps nothing
+    ttft_only.observe(0.5, num_decode_tokens=0, num_prefill_tokens=500)
+    assert ttft_only.s_per_token == pytest.approx(0.001)
+    assert ttft_only.cap([decoding("d", 2, first_token_time=0.0)], now=100.0) is None
 
 
 def test_scheduler_caps_prompt_chunks_but_never_decodes():
@@ -185,3 +194,53 @@ def test_a_prompt_about_to_miss_its_ttft_goes_whole_but_a_lost_one_does_not():
     plain = PrefillBudget(0.1, max_num_batched_tokens=2048, min_prefill_tokens=16)
     plain.t_decode_s, plain.s_per_token = 0.04, 0.001
     assert plain.cap([behind], now, [urgent]) == 0
+
+
+def test_predicted_ttft_counts_the_prompts_admitted_before_it_and_its_uncached_tokens():
+    budget = PrefillBudget(0.0, 2048, 16, slo_ttft_s=2.0)
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=512)
+    config = scheduler.scheduler_config
+    new = make_request("new", prompt_len=100)
+    new.arrival_time = 50.0
+    # no cost learned yet: no prediction (the first prompts are never refused)
+    assert budget.predict_ttft_s(new, 0, [], [], config, now=50.0) is None
+    # the engine's first prompt step (one-time costs) does not count; then the fastest of
+    # the recent steps does
+    budget.observe(2.0, num_decode_tokens=0, num_prefill_tokens=100)
+    assert budget.predict_ttft_s(new, 0, [], [], config, now=50.0) is None
+    budget.observe(1.5, num_decode_tokens=0, num_prefill_tokens=100)
+    budget.observe(1.0, num_decode_tokens=0, num_prefill_tokens=100)
+    budget.observe(1.2, num_decode_tokens=0, num_prefill_tokens=100)
+    alone = budget.predict_ttft_s(new, 0, [], [], config, now=50.5)
+    assert alone == pytest.approx(0.5 + 100 * 0.01)  # waited 0.5 s + its 100 tokens
+    # a cached prefix of 64 tokens is not computed again
+    assert budget.predict_ttft_s(new, 64, [], [], config, now=50.5) == pytest.approx(0.5 + 0.36)
+    # FCFS: every waiting prompt is ahead; a running prefill's tokens left too; a stream
+    # (KV from a prefill instance, output tokens) and a decoding request are not prefill work
+    ahead = make_request("ahead", prompt_len=200)
+    ahead.arrival_time = 10.0
+    chunked = make_request("chunked", prompt_len=300)
+    chunked.num_computed_tokens = 100
+    stream = make_request("stream", prompt_len=400)
+    stream.output_token_ids = [5]
+    decoding_req = decoding("dec", 3, first_token_time=0.0)
+    predicted = budget.predict_ttft_s(new, 0, [ahead, stream], [chunked, decoding_req], config,
+                                      now=50.0)
+    assert predicted == pytest.approx((100 + 200 + 200) * 0.01)
+    # shortest job first (the default policy; its aging bound reads the real clock): a
+    # longer prompt waiting is not ahead of it, a shorter one is
+    sjf = make_scheduler(max_num_batched_tokens=64, max_model_len=512,
+                         scheduling_policy="sjf").scheduler_config
+    now = time.monotonic()
+    new.arrival_time = now
+    longer = make_request("longer", prompt_len=300)
+    shorter = make_request("shorter", prompt_len=40)
+    longer.arrival_time = shorter.arrival_time = now - 0.1
+    assert budget.predict_ttft_s(new, 0, [longer, shorter], [], sjf, now=now) == \
+        pytest.approx((100 + 40) * 0.01)
+
+
+def test_ttft_unreachable_error_names_the_prediction_and_the_target():
+    err = TTFTUnreachableError("r1", 3.456, 2.0)
+    assert "r1" in str(err) and "3.46 s" in str(err) and "2.00 s" in str(err)
+    assert (err.predicted_s, err.slo_ttft_s) == (3.456, 2.0)
