@@ -93,7 +93,7 @@ def test_plan_on_two_cores(monkeypatch):
         assert engine.core_share == default_board_path()
 
     ns = parser.parse_args(list(plan.children[-1].argv[3:]))
-    assert ns.local_prefill_threshold == 256  # `pdserve up`'s conditional disaggregation
+    assert ns.local_prefill_threshold == 1_000_000_000  # one core share: unified
     assert ns.serve_role == "gateway"
     assert (ns.host, ns.port, ns.model, ns.served_model_name, ns.max_model_len) == \
         ("127.0.0.1", 18000, "/models/m", "m", 1024)
@@ -106,11 +106,17 @@ def _gateway_ns(*argv: str):
     return build_parser().parse_args(list(plan.children[-1].argv[3:]))
 
 
-def test_latency_targets_prefill_on_the_decode_engine_unless_told_otherwise():
-    assert _gateway_ns().local_prefill_threshold == 256
+def test_shared_cores_or_latency_targets_prefill_on_the_decode_engine_unless_told_otherwise():
+    # engines on one core share (the CPU default): unified
+    assert _gateway_ns().local_prefill_threshold == 1_000_000_000
+    # the prefill engines with cores of their own: conditional disaggregation by length
+    for own_cores in (("--no-cpu-share",), ("--prefill-cpu-cores", "0"),
+                      ("--decode-cpu-cores", "1"), ("--device", "cuda")):
+        assert _gateway_ns(*own_cores).local_prefill_threshold == 256, own_cores
     for targets in (("--slo-ttft-ms", "2000"), ("--slo-tpot-ms", "100"),
                     ("--slo-ttft-ms", "2000", "--slo-tpot-ms", "100")):
-        assert _gateway_ns(*targets).local_prefill_threshold == 1_000_000_000
+        assert _gateway_ns("--no-cpu-share", *targets).local_prefill_threshold == \
+            1_000_000_000
     # an explicit threshold wins; so does the load bound, passed through
     ns = _gateway_ns("--slo-tpot-ms", "100", "--local-prefill-threshold", "512",
                      "--max-prefill-queue-size", "2")
