@@ -6,11 +6,18 @@ Keys (`{p}` is the key prefix, "pdserve" by default):
     {p}:instances:{model}        set of instance ids that registered for the model
     {p}:held:{instance_id}       set of 16-byte block hashes the instance holds cached
                                  (TTL `ttl`, refreshed by the heartbeat)
+    {p}:held_gen:{instance_id}   string, the held set's generation: a new value at every
+                                 write of the set (TTL `ttl`), so readers copy a set only
+                                 when it changed (`snapshot`)
 
 An instance's own hash map is authoritative; this is the shared, eventually consistent
 view. A dead instance's keys expire by themselves. Redis is optional: when it cannot be
 reached every method logs it once, returns a fallback at once (no retry storm) and tries
 again after an exponential backoff. Torch-free (the gateway imports it).
+
+NOTE: Redis holds a cache, never an answer: nothing here may sit on a request's path. The
+gateway reads `snapshot` in the background (services/gateway/registry_view.py) and the
+instances write from a task of their own (services/common/monitor.py).
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -62,6 +70,31 @@ end
 return out
 """
 
+# KEYS[1]: the model's instance set; ARGV[1]: key prefix; ARGV[2..]: instance id, held-set
+# generation pairs the caller already holds. Returns {run_id, {info, generation, held}, ...}
+# for every live instance; `held` (the whole set) only where the generation differs from
+# the caller's or is missing, else false. One atomic read: the run id tells a restart.
+_SNAPSHOT = """
+local known = {}
+for i = 2, #ARGV, 2 do known[ARGV[i]] = ARGV[i + 1] end
+local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+local out = {run_id}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local info = redis.call('GET', ARGV[1] .. ':instance:' .. id)
+  if info then
+    local gen = redis.call('GET', ARGV[1] .. ':held_gen:' .. id)
+    local held = false
+    if not gen or known[id] ~= gen then
+      held = redis.call('SMEMBERS', ARGV[1] .. ':held:' .. id)
+    end
+    table.insert(out, {info, gen or '', held})
+  else
+    redis.call('SREM', KEYS[1], id)
+  end
+end
+return out
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceInfo:
@@ -89,6 +122,22 @@ class InstanceInfo:
         return cls(**{k: v for k, v in json.loads(text).items() if k in fields})
 
 
+class ListedInstance(NamedTuple):
+    """One live instance in a `RegistrySnapshot`."""
+
+    info: InstanceInfo
+    generation: str
+    """Its held set's generation ("" when it has none: read the set every time)."""
+    held: frozenset[bytes] | None
+    """Its held set; None when the caller already holds this generation."""
+
+
+class RegistrySnapshot(NamedTuple):
+    run_id: str
+    """The Redis server's run id: a new one means Redis restarted (and lost everything)."""
+    instances: list[ListedInstance]
+
+
 class PrefixIndex:
     """Registration, block-hash publishing and longest-prefix lookups (redis.asyncio).
 
@@ -114,6 +163,10 @@ class PrefixIndex:
             retry=Retry(NoBackoff(), 0))
         self._live_script = self._redis.register_script(_LIVE_INSTANCES)
         self._prefix_script = self._redis.register_script(_LONGEST_PREFIX)
+        self._snapshot_script = self._redis.register_script(_SNAPSHOT)
+        self._generation_prefix = os.urandom(6).hex()
+        """Unique to this object, so a restarted instance never reuses a generation."""
+        self._num_writes = 0
         self.is_up = True
         """False from a connection failure until the next successful command."""
         self._backoff = 0.0
@@ -126,6 +179,13 @@ class PrefixIndex:
 
     def held_key(self, instance_id: str) -> str:
         return f"{self.key_prefix}:held:{instance_id}"
+
+    def generation_key(self, instance_id: str) -> str:
+        return f"{self.key_prefix}:held_gen:{instance_id}"
+
+    def _next_generation(self) -> str:
+        self._num_writes += 1
+        return f"{self._generation_prefix}:{self._num_writes}"
 
     @property
     def instances_key(self) -> str:
@@ -148,7 +208,8 @@ class PrefixIndex:
                          get=True)
                 pipe.sadd(self.instances_key, info.instance_id)
                 pipe.pexpire(self.held_key(info.instance_id), ttl_ms)
-                previous, _, _ = await pipe.execute()
+                pipe.pexpire(self.generation_key(info.instance_id), ttl_ms)
+                previous, *_ = await pipe.execute()
             return previous is None
         return await self._call("register", op, None)
 
@@ -170,6 +231,8 @@ class PrefixIndex:
                 for i in range(0, len(added), _BATCH):
                     pipe.sadd(key, *added[i:i + _BATCH])
                 pipe.pexpire(key, int(self.ttl * 1000))
+                pipe.set(self.generation_key(instance_id), self._next_generation(),
+                         px=int(self.ttl * 1000))
                 await pipe.execute()
             return True
         return bool(await self._call("publish", op, False))
@@ -185,6 +248,8 @@ class PrefixIndex:
                 for i in range(0, len(hashes), _BATCH):
                     pipe.sadd(key, *hashes[i:i + _BATCH])
                 pipe.pexpire(key, int(self.ttl * 1000))
+                pipe.set(self.generation_key(instance_id), self._next_generation(),
+                         px=int(self.ttl * 1000))
                 await pipe.execute()
             return True
         return bool(await self._call("republish", op, False))
@@ -192,7 +257,8 @@ class PrefixIndex:
     async def unregister(self, instance_id: str) -> bool:
         async def op() -> bool:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.instance_key(instance_id), self.held_key(instance_id))
+                pipe.delete(self.instance_key(instance_id), self.held_key(instance_id),
+                            self.generation_key(instance_id))
                 pipe.srem(self.instances_key, instance_id)
                 await pipe.execute()
             return True
@@ -219,6 +285,28 @@ class PrefixIndex:
                                             args=[self.key_prefix, *block_hashes])
             return {raw[i].decode(): int(raw[i + 1]) for i in range(0, len(raw), 2)}
         return await self._call("longest_prefix", op, {})
+
+    async def snapshot(self, known: Mapping[str, str] | None = None
+                       ) -> RegistrySnapshot | None:
+        """Every live instance of this model with its held set, in one atomic round trip
+        (the background refresh of services/gateway/registry_view.py); None when Redis is
+        unreachable.
+
+        Args:
+            known: instance_id -> the held-set generation the caller holds: those sets
+                come back as None when unchanged (a set is copied only when it moved).
+        """
+        args = [self.key_prefix]
+        for instance_id, generation in (known or {}).items():
+            args += [instance_id, generation]
+
+        async def op() -> RegistrySnapshot:
+            raw = await self._snapshot_script(keys=[self.instances_key], args=args)
+            return RegistrySnapshot(raw[0].decode(), [
+                ListedInstance(InstanceInfo.from_json(info), generation.decode(),
+                               None if held is None else frozenset(held))
+                for info, generation, held in raw[1:]])
+        return await self._call("snapshot", op, None)
 
     async def held_hashes(self, instance_id: str) -> set[bytes] | None:
         """Everything published for `instance_id` (audits and tests); None when down."""

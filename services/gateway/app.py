@@ -26,6 +26,7 @@ from pdserve.services.gateway.federation import MetricsFederation
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.middleware import GatewayMiddleware
 from pdserve.services.gateway.placement import InstanceRegistry, Placer
+from pdserve.services.gateway.registry_view import RegistryView
 from pdserve.services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
 from pdserve.services.gateway.serving_chat import ChatServing
 from pdserve.services.gateway.serving_completion import CompletionServing
@@ -53,14 +54,15 @@ class Gateway:
     shutdown: ShutdownNotice
 
 
-def _connect_registry(config: GatewayConfig):
-    """The Redis PrefixIndex for --redis-url (None without one)."""
+def _connect_registry(config: GatewayConfig) -> RegistryView | None:
+    """A background-refreshed view of the Redis PrefixIndex for --redis-url (None without
+    one): no request and no /health ever waits on Redis."""
     if not config.redis_url:
         return None
     from pdserve.shared.prefix_index import PrefixIndex
 
     # NOTE: instances register under their served model name: configure the same one here.
-    return PrefixIndex(config.redis_url, config.served_model_name)
+    return RegistryView(PrefixIndex(config.redis_url, config.served_model_name))
 
 
 def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
@@ -93,6 +95,8 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
 
     @asynccontextmanager
     async def lifespan(app: Starlette):
+        if owned_registry is not None:
+            await owned_registry.start()
         try:
             info = await engine.engine_info()
             logger.info("serving %s (max_model_len %d) via prefill %s, decode %s",

@@ -1,5 +1,5 @@
 """EngineClient: the split engine as the OpenAI handlers (serving.py) see it, as vLLM's:
-`generate` is the failover loop; `engine_info` and `is_healthy` ask health.py.
+`generate` is the failover loop; `engine_info` and `health_report` ask health.py.
 
     generate ─▶ place ─▶ prefill_then_decode (prefill_decode.py: one placement) ─▶ outputs
                   ▲            │ AttemptFailed: mark the instance failed, avoid it
@@ -26,7 +26,12 @@ from prometheus_client.core import CounterMetricFamily
 from pdserve.services.gateway.channel_pool import ChannelPool
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError, no_backend
-from pdserve.services.gateway.health import EngineInfo, HealthTracker, discover_engine
+from pdserve.services.gateway.health import (
+    EngineInfo,
+    HealthReport,
+    HealthTracker,
+    discover_engine,
+)
 from pdserve.services.gateway.placement import Placer
 from pdserve.services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
 from pdserve.shared.proto import engine_pb2
@@ -110,9 +115,10 @@ class EngineClient:
             logger.info("engine: %s", info)
         return self._info
 
-    async def is_healthy(self) -> bool:
-        """At least one prefill and one decode instance answer SERVING (HealthTracker)."""
-        return await self.health.is_healthy(*await self._addresses())
+    async def health_report(self) -> HealthReport:
+        """/health's answer (HealthTracker.report): the gateway can serve while a decode
+        instance does."""
+        return await self.health.report(*await self._addresses(), self.placer.registry)
 
     async def generate(self, engine_request_id: str, prompt_token_ids: list[int],
                        params: engine_pb2.SamplingParams, *, cache_salt: str | None,

@@ -6,6 +6,9 @@
     mark_failed(address)      a call to it just failed: excluded at once, re-checked at once
     refresh(addresses, bound) live checks that wait at most `bound` seconds (/health,
                               placement when nothing is usable)
+    report(prefill, decode)   /health: 200 while a decode instance serves (it prefills
+                              locally when no prefill instance does), each degraded part
+                              named in the body
 
 The poll follows `instances()`: an instance that registers is checked from the next poll
 on; one missing from the list for FORGET_AFTER_S (it left or its registration expired) is
@@ -13,7 +16,7 @@ forgotten, its channel closed once no call runs on it.
 
 Status per address: SERVING, NOT_SERVING (loading, draining, stalled), UNREACHABLE (no
 answer within the check timeout, or a failed call), UNKNOWN (never checked). Placement uses
-every instance that is not NOT_SERVING or UNREACHABLE; `/health` wants SERVING.
+every instance that is not NOT_SERVING or UNREACHABLE; `/health` counts SERVING ones.
 
 NOTE: a SERVING answer to a check that started before the latest `mark_failed` of its address
 is dropped: it may describe the instance from before the failure.
@@ -26,7 +29,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -42,8 +45,20 @@ MISSES_UNTIL_UNREACHABLE = 2
 """Unanswered polls in a row before a SERVING instance counts as UNREACHABLE."""
 FORGET_AFTER_S = 30.0
 """Seconds an address may be missing from `instances()` before its status is dropped."""
-HEALTH_ROUTE_BOUND = 0.5
-"""Seconds /health waits for live checks before it uses the last known states."""
+HEALTH_ROUTE_BOUND = 0.1
+"""Seconds /health waits for live checks before it uses the last known states (the poll
+keeps them at most `interval` old)."""
+FIRST_CHECK_BOUND = 0.5
+"""... or, while an instance was never checked (just started or registered), this long."""
+
+
+class HealthReport(NamedTuple):
+    can_serve: bool
+    """A decode instance is SERVING: requests get answers (/health 200)."""
+    body: dict[str, Any]
+    """{"status": "ok" | "degraded" | "unavailable", "degraded": {part: why},
+    "prefill" / "decode": {"serving": n, "instances": n}, "redis": {"up", "view_age_s"} |
+    None} (README, Gateway `/health`)."""
 
 
 class InstanceStatus(enum.Enum):
@@ -104,16 +119,38 @@ class HealthTracker:
         if tasks:
             await asyncio.wait(tasks, timeout=bound)
 
-    async def is_healthy(self, prefill: list[str], decode: list[str]) -> bool:
-        """At least one prefill and one decode instance answer SERVING: each is checked live,
-        but for at most HEALTH_ROUTE_BOUND s (one that has not answered by then counts with
-        its last known status)."""
+    async def report(self, prefill: list[str], decode: list[str],
+                     registry: Any = None) -> HealthReport:
+        """What /health says: each instance is checked live, but for at most
+        HEALTH_ROUTE_BOUND s (one that has not answered by then counts with its last known
+        status). `registry`: the placer's (a RegistryView: its `is_up` and `age`), None
+        without Redis. Nothing here waits on Redis."""
         self.ensure_started()
-        if not prefill or not decode:
-            return False
-        await self.refresh(prefill + decode, HEALTH_ROUTE_BOUND)
-        return any(self.status(a) is InstanceStatus.SERVING for a in prefill) and \
-            any(self.status(a) is InstanceStatus.SERVING for a in decode)
+        addresses = prefill + decode
+        never_checked = any(a not in self._status for a in addresses)
+        await self.refresh(addresses, FIRST_CHECK_BOUND if never_checked else
+                           HEALTH_ROUTE_BOUND)
+        degraded: dict[str, str] = {}
+        body: dict[str, Any] = {}
+        for role, listed in (("prefill", prefill), ("decode", decode)):
+            serving = sum(self.status(a) is InstanceStatus.SERVING for a in listed)
+            body[role] = {"serving": serving, "instances": len(listed)}
+            if serving < len(listed) or not listed:
+                degraded[role] = f"{serving} of {len(listed)} {role} instances serving"
+        if "prefill" in degraded and body["prefill"]["serving"] == 0:
+            degraded["prefill"] += ": the decode instances prefill every prompt themselves"
+        if registry is None:
+            body["redis"] = None
+        else:
+            age = getattr(registry, "age", None)
+            body["redis"] = {"up": bool(getattr(registry, "is_up", True)),
+                             "view_age_s": None if age is None else round(age, 1)}
+            if not body["redis"]["up"]:
+                degraded["redis"] = ("unreachable: placing on the instances and cached prefixes "
+                                     "last seen" + ("" if age is None else f", {age:.0f} s ago"))
+        can_serve = body["decode"]["serving"] > 0
+        status = "unavailable" if not can_serve else "degraded" if degraded else "ok"
+        return HealthReport(can_serve, {"status": status, "degraded": degraded, **body})
 
     async def close(self) -> None:
         self._closed = True

@@ -44,7 +44,8 @@ _SUMMARIES = {
     "/v1/chat/completions": "OpenAI chat completions (`stream` for SSE).",
     "/tokenize": "Token ids of a prompt or of chat messages.",
     "/detokenize": "Text of token ids.",
-    "/health": "200 when a prefill and a decode instance serve, else 503 (no API key).",
+    "/health": "200 while a decode instance serves (it prefills locally when no prefill "
+               "instance does), else 503; the body names each degraded part (no API key).",
     "/metrics": "Prometheus metrics of the gateway.",
     "/openapi.json": "This document.",
 }
@@ -55,6 +56,24 @@ _STATUSES = {"400": "Invalid request", "401": "Missing or wrong API key",
              "503": "No prefill / decode instance available"}
 
 
+_COUNTS = {"type": "object", "required": ["serving", "instances"], "properties": {
+    "serving": {"type": "integer"}, "instances": {"type": "integer"}}}
+_HEALTH_BODY = {"type": "object", "required": ["status", "degraded", "prefill", "decode",
+                                               "redis"], "properties": {
+    "status": {"type": "string", "enum": ["ok", "degraded", "unavailable"]},
+    "degraded": {"type": "object", "additionalProperties": {"type": "string"},
+                 "description": "Each degraded part (prefill, decode, redis) and why."},
+    "prefill": _COUNTS, "decode": _COUNTS,
+    "redis": {"type": ["object", "null"], "properties": {
+        "up": {"type": "boolean"}, "view_age_s": {"type": ["number", "null"]}}}}}
+"""/health's body (health.HealthReport)."""
+
+
+def _health_response(description: str) -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": _HEALTH_BODY}}}
+
+
 def _error_response(description: str) -> dict:
     return {"description": description, "content": {"application/json": {
         "schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
@@ -63,8 +82,8 @@ def _error_response(description: str) -> dict:
 def _ok_response(path: str) -> dict:
     if path == "/metrics":
         return {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
-    if path == "/health":
-        return {"description": "Ready"}
+    if path in ("/health", "/ping"):
+        return _health_response("Ready: a decode instance serves")
     content = {"application/json": {"schema": {"type": "object"}}}
     if path in _STREAMING:
         content["text/event-stream"] = {"schema": {"type": "string"}}
@@ -81,6 +100,8 @@ def _operation(path: str, method: str) -> dict:
             "schema": {"$ref": _REF.format(model=model.__name__)}}}}
         op["responses"].update({code: _error_response(text) for code, text in _STATUSES.items()
                                 if code != "401" or path not in _PUBLIC})
+    elif path in ("/health", "/ping"):
+        op["responses"]["503"] = _health_response("No decode instance serves")
     else:
         op["responses"]["default"] = _error_response("An OpenAI error object")
     if path in _PUBLIC:

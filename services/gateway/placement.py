@@ -1,13 +1,15 @@
 """Placement: which prefill and decode instance serve a request (cache-aware, then least loaded).
 
-Candidates come from the live registry (`shared.prefix_index.PrefixIndex`, or any object
-with the same two methods), read again every LIVE_CACHE_SECONDS: instances that register
-are placed on from then on, expired ones no more. While the registry is unreachable (its
-`is_up` is False) the last list it gave stays in use (the health checks still weed it);
-when it has none, the static `--prefill-url` / `--decode-url` lists. Per docs/services-contracts.md:
+Candidates come from the live registry (the gateway's `registry_view.RegistryView`, a
+copy of the Redis index refreshed in the background each second, so no request waits on
+Redis; or any object with the same two methods), asked for every placement: instances that
+register are placed on from then on, expired ones no more. While Redis is unreachable the
+view keeps what it last saw (the health checks still weed it; a registry that answers
+nothing while its `is_up` is False gets its last answer kept here); with no instance there,
+the static `--prefill-url` / `--decode-url` lists. Per docs/services-contracts.md:
 
-1. score each candidate by the number of leading prompt blocks it holds cached (one
-   pipelined Redis lookup over the prompt's block hashes), highest first; a hit counts only
+1. score each candidate by the number of leading prompt blocks it holds cached (looked up
+   in the view's copy of each instance's held set), highest first; a hit counts only
    when it covers MIN_CACHED_FRACTION of the prompt (as SGLang's router's cache_threshold):
    a short prefix every prompt shares (a chat template's system prompt) must not pull all
    traffic onto the instance that happened to cache it first, or an instance that joins
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -41,7 +42,6 @@ from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_t
 
 logger = logging.getLogger(__name__)
 
-LIVE_CACHE_SECONDS = 1.0
 HEALTH_RECHECK_BOUND = 1.0
 """Seconds placement waits for live health checks when no decode instance is usable."""
 MIN_CACHED_FRACTION = 0.5
@@ -96,7 +96,7 @@ class Placer:
         self.num_local_by_load = 0
         """Prompts prefilled on their decode instance because the prefill queue was full."""
         self._in_flight: Counter[str] = Counter()
-        self._live_cache: dict[str, tuple[float, list[Any]]] = {}
+        self._last_live: dict[str, list[Any]] = {}
         self._registry_warned = False
 
     def begin(self, address: str) -> None:
@@ -112,13 +112,10 @@ class Placer:
             del self._in_flight[address]
 
     async def _live(self, role: str) -> list[Any]:
-        """Live instances of `role`, cached for LIVE_CACHE_SECONDS (heartbeats are 3 s)."""
+        """Live instances of `role` (the RegistryView answers from memory); while the
+        registry is down (`is_up` False) and answers nothing, its last answer."""
         if self.registry is None:
             return []
-        now = time.monotonic()
-        cached = self._live_cache.get(role)
-        if cached is not None and cached[0] > now:
-            return cached[1]
         try:
             live = [i for i in await self.registry.live_instances(role) if i.role == role]
             self._registry_warned = False
@@ -127,9 +124,10 @@ class Placer:
                 logger.warning("registry unavailable (%s); using static instance lists", e)
                 self._registry_warned = True
             live = []
-        if not live and getattr(self.registry, "is_up", True) is False and cached is not None:
-            live = cached[1]  # Redis is down (it answered nothing): keep the last view
-        self._live_cache[role] = (now + LIVE_CACHE_SECONDS, live)
+        last = self._last_live.get(role)
+        if not live and getattr(self.registry, "is_up", True) is False and last is not None:
+            return last  # Redis is down (it answered nothing): keep the last view
+        self._last_live[role] = live
         return live
 
     async def addresses(self, role: str) -> list[str]:

@@ -87,10 +87,12 @@ async def detokenize(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """200 only when at least one prefill and one decode instance are SERVING (live checks
-    bounded to health.HEALTH_ROUTE_BOUND s, then the health tracker's last known states)."""
-    healthy = await request.app.state.gateway.engine.is_healthy()
-    return Response(status_code=200 if healthy else 503)
+    """200 while the gateway can answer: a decode instance is SERVING (it prefills locally
+    when no prefill instance does), else 503; the JSON body names each degraded part (live
+    checks bounded to health.HEALTH_ROUTE_BOUND s, then the last known states; no Redis
+    call)."""
+    report = await request.app.state.gateway.engine.health_report()
+    return JSONResponse(report.body, status_code=200 if report.can_serve else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -64,8 +64,8 @@ class UpConfig:
     """Seconds every health check gets to pass (the model loads within it)."""
     log_level: str = "INFO"
     restart_engines: bool = True
-    """Start a prefill or decode replica that died again (with a backoff); False: any
-    child's death stops everything."""
+    """Start a prefill or decode replica or the Redis started here that died again (with a
+    backoff); False: any child's death stops everything."""
 
 
 _PORT_FLAGS = {
@@ -186,8 +186,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--redis-url", default=None,
                    help="use this Redis (e.g. redis://host:6379/0) instead of starting one")
     g.add_argument("--restart-engines", action=argparse.BooleanOptionalAction, default=True,
-                   help="start a prefill or decode replica that died again, after a backoff "
-                        "of 1, 2, 4 ... 30 s (off: any child's death stops everything)")
+                   help="start a prefill or decode replica (or the Redis started here) that "
+                        "died again, after a backoff of 1, 2, 4 ... 30 s (off: any child's "
+                        "death stops everything)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to drain on Ctrl-C / SIGTERM before killing what is left")
     g.add_argument("--startup-timeout", type=float, default=600.0,

@@ -1,13 +1,15 @@
 """Supervisor: after startup, what the launcher does when a child exits on its own.
 
-    prefill / decode exits (before its first ready too) ─▶ log the code and its last lines
-      ─▶ backoff (1, 2, 4 ... 30 s; reset after 60 s up)
+    prefill / decode / redis exits (before its first ready too) ─▶ log the code and its
+      last lines ─▶ backoff (1, 2, 4 ... 30 s; reset after 60 s up)
       ─▶ its ports free? ── no ─▶ next backoff
                    └─ yes ─▶ start it again (same argv, env, ports, cores) ─▶ "ready again"
-    gateway / redis exits (or any child with restarts off) ─▶ stop everything
+    gateway exits (or any child with restarts off) ─▶ stop everything
 
 The gateway fails over between instances and answers 503 while none serves, so one engine's
-death must not take the service down.
+death must not take the service down; nor must Redis's: it holds a cache (the registry and
+prefix index), the gateway places from its last view meanwhile, and the instances register
+and republish into the restarted (empty) Redis within a heartbeat.
 
 NOTE: `tick` starts children: call it from the main thread only (the parent-death signal
 belongs to the thread that forked the child, see process.py). Shutdown is the caller's:
@@ -21,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-RESTARTABLE_ROLES = ("prefill", "decode")
+RESTARTABLE_ROLES = ("prefill", "decode", "redis")
 
 
 class Child(Protocol):

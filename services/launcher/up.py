@@ -2,8 +2,8 @@
 health check passes, print the URL and a curl line, and stop them all on Ctrl-C / SIGTERM.
 
     prereqs (redis-server, model) ─▶ redis ─▶ engines + gateway ─▶ all healthy ─▶ banner
-    ─▶ run until a signal or the death of the gateway or Redis (a prefill or decode replica
-    that dies, before its first ready too, is started again with a backoff and its last log
+    ─▶ run until a signal or the gateway's death (Redis or a prefill or decode replica that
+    dies, before its first ready too, is started again with a backoff and its last log
     lines are quoted, see supervise.py; --no-restart-engines: any death stops everything)
     ─▶ stop stage by stage (SIGTERM to each group, one --shutdown-timeout deadline for all)
     ─▶ SIGKILL what is left ─▶ exit

@@ -79,3 +79,72 @@ async def _wait_redis_up(cluster, value: int, timeout: float = 20.0) -> list[int
         if got == [value] * len(got) or time.monotonic() > deadline:
             return got
         await asyncio.sleep(0.05)
+
+
+class FrozenWrites:
+    """A PrefixIndex whose every write waits until `thaw()`: a Redis that stopped answering
+    (as under SIGSTOP, without the socket timeout, so a wait would show as a hang)."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self.thawed = asyncio.Event()
+        self.num_waiting = 0
+
+    def __getattr__(self, name):
+        return getattr(self.index, name)
+
+    async def _frozen(self, name: str, *args):
+        self.num_waiting += 1
+        await self.thawed.wait()
+        return await getattr(self.index, name)(*args)
+
+    async def register(self, *args):
+        return await self._frozen("register", *args)
+
+    async def publish(self, *args):
+        return await self._frozen("publish", *args)
+
+    async def republish(self, *args):
+        return await self._frozen("republish", *args)
+
+
+def _dropped(runtime) -> float:
+    return runtime.worker.metrics.registry.get_sample_value(
+        "pdserve_prefix_index_writes_dropped_total",
+        {"model_name": runtime.worker.model_name}) or 0.0
+
+
+async def test_a_frozen_redis_never_holds_up_the_engine_and_drops_are_counted(
+        cluster, redis, monkeypatch):
+    """Issue 37: the prefix-index writes are asynchronous and bounded: with every Redis write
+    hanging, ticks still drain the engine and requests are served; changes past the bound
+    are dropped and counted; once Redis answers, the whole hash map is republished."""
+    from pdserve.services.common import monitor as monitor_module
+
+    runtime = cluster.decode
+    monitor = runtime.monitor
+    await monitor.flush()
+    assert not monitor.dirty
+    frozen = FrozenWrites(monitor.index)
+    monkeypatch.setattr(monitor, "index", frozen)
+    monkeypatch.setattr(monitor_module, "MAX_PENDING_HASHES", 4)
+    dropped_before = _dropped(runtime)
+    try:
+        prompts = _prompts(4, 3)
+        first = await run_split(cluster, "frozen-0", prompts[0], greedy(4))
+        await asyncio.wait_for(monitor.tick(), 60)  # queued, not written
+        deadline = time.monotonic() + 30
+        while frozen.num_waiting == 0:  # the writer task is stuck in Redis now
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        results = await asyncio.gather(*(run_split(cluster, f"frozen-{i}", p, greedy(4))
+                                         for i, p in enumerate(prompts[1:], 1)))
+        await asyncio.wait_for(monitor.tick(), 60)
+        assert [len(r.token_ids) for r in [first, *results]] == [4, 4, 4]
+        assert _dropped(runtime) > dropped_before  # past MAX_PENDING_HASHES: dropped
+        assert monitor.dirty  # ... so the whole map goes out at the next write
+    finally:
+        frozen.thawed.set()
+    monkeypatch.undo()
+    assert await index_matches(cluster)
+    assert not monitor.dirty

@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from pdserve.services.gateway import health as health_module
-from pdserve.services.gateway import placement as placement_module
 from pdserve.services.gateway.channel_pool import ChannelPool
 from pdserve.services.gateway.health import HealthTracker, InstanceStatus
 from pdserve.services.gateway.placement import Placer
@@ -50,8 +49,7 @@ async def _decode(placer: Placer) -> str:
     return placement.decode_address
 
 
-async def test_instances_that_join_are_placed_on_and_expired_ones_are_not(monkeypatch):
-    monkeypatch.setattr(placement_module, "LIVE_CACHE_SECONDS", 0.0)
+async def test_instances_that_join_are_placed_on_and_expired_ones_are_not():
     registry = MutableRegistry(Info("p0", "prefill", "p0:1"),
                                Info("d0", "decode", "d0:1", num_running=3))
     placer = Placer(registry=registry)
@@ -86,8 +84,7 @@ async def test_a_short_shared_prefix_does_not_outweigh_load(monkeypatch):
     assert got is not None and got.decode_address == "d0:1"
 
 
-async def test_the_last_view_stays_while_the_registry_is_down(monkeypatch):
-    monkeypatch.setattr(placement_module, "LIVE_CACHE_SECONDS", 0.0)
+async def test_the_last_view_stays_while_the_registry_is_down():
     registry = MutableRegistry(Info("d0", "decode", "d0:1"))
     placer = Placer(registry=registry)
     assert await _decode(placer) == "d0:1"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 
 import pytest
 
@@ -11,19 +12,45 @@ from tests.services.gateway.helpers import CHAT, COMPLETIONS, chat_body, complet
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-async def test_health_needs_a_serving_prefill_and_decode(gateway, make_gateway):
-    assert (await gateway.http.get("/health")).status_code == 200
+async def test_health_is_200_while_a_decode_serves_and_names_what_is_degraded(gateway,
+                                                                           make_gateway):
+    r = await gateway.http.get("/health")
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "degraded": {},
+                        "prefill": {"serving": 1, "instances": 1},
+                        "decode": {"serving": 1, "instances": 1}, "redis": None}
     await gateway.cluster.set_serving(gateway.decode.address, False)
-    assert (await gateway.http.get("/health")).status_code == 503
+    r = await gateway.http.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    assert r.json()["degraded"] == {"decode": "0 of 1 decode instances serving"}
     await gateway.cluster.set_serving(gateway.decode.address, True)
     await gateway.cluster.set_serving(gateway.prefill.address, False)
-    assert (await gateway.http.get("/health")).status_code == 503
+    r = await gateway.http.get("/health")  # the decode instance prefills locally
+    assert r.status_code == 200 and r.json()["status"] == "degraded"
+    assert r.json()["degraded"] == {"prefill": "0 of 1 prefill instances serving: the decode "
+                                               "instances prefill every prompt themselves"}
     await gateway.cluster.set_serving(gateway.prefill.address, True)
-    assert (await gateway.http.get("/health")).status_code == 200
+    assert (await gateway.http.get("/health")).json()["status"] == "ok"
     decode_only = await make_gateway(prefill_urls=())
-    assert (await decode_only.http.get("/health")).status_code == 503
+    r = await decode_only.http.get("/health")
+    assert r.status_code == 200 and set(r.json()["degraded"]) == {"prefill"}
     unreachable = await make_gateway(decode_urls=("127.0.0.1:1",))
     assert (await unreachable.http.get("/health")).status_code == 503
+
+
+async def test_health_stays_200_without_redis_and_says_so(make_gateway):
+    """Issue 37: Redis is a cache; /health never asks it (its view's state is reported)."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    gw = await make_gateway(redis_url=f"redis://127.0.0.1:{port}/0")
+    r = await gw.http.get("/health")
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "degraded"
+    assert r.json()["redis"] == {"up": False, "view_age_s": None}
+    assert r.json()["degraded"] == {
+        "redis": "unreachable: placing on the instances and cached prefixes last seen"}
+    assert (await gw.http.post(CHAT, json=chat_body(max_tokens=2))).status_code == 200
 
 
 def _sample(text: str, name: str, **labels) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +76,21 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def _children(parent: int, needle: bytes) -> list[int]:
+    """Pids of `parent`'s children whose command line contains `needle`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and needle in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+    return found
 
 
 def _reaped(pid: int, parent: int) -> bool:
@@ -208,3 +224,67 @@ def test_a_gateway_dying_before_it_was_ready_stops_everything(runs):
            "stopping everything" in text, text
     assert "[pdserve]    | cannot start: the test says so" in text, text
     assert "pdserve is ready" not in text
+
+
+LAUNCHER_WITH_REDIS = textwrap.dedent("""
+    import sys
+    from pdserve.services.launcher.config import UpConfig
+    from pdserve.services.launcher.plan import ChildSpec, Plan, Probe
+    from pdserve.services.launcher.process import LogSink
+    from pdserve.services.launcher.supervise import Backoff
+    from pdserve.services.launcher.up import Launcher
+    from pdserve.shared.engine_args import EngineArgs
+    server, redis_port, gateway_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    children = (
+        ChildSpec("redis", ("redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no"),
+                  Probe("redis", f"127.0.0.1:{redis_port}"), stage=2, ports=(redis_port,)),
+        ChildSpec("gateway", (sys.executable, "-c", server, str(gateway_port)),
+                  Probe("http", f"http://127.0.0.1:{gateway_port}/health"), stage=0,
+                  ports=(gateway_port,)))
+    plan = Plan(children, f"http://127.0.0.1:{gateway_port}",
+                f"redis://127.0.0.1:{redis_port}/0", "m")
+    config = UpConfig(engine_args=EngineArgs(), shutdown_timeout=10, startup_timeout=60)
+    sys.exit(Launcher(plan, config, LogSink(sys.stdout, width=8), Backoff()).run())
+""")
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_a_killed_redis_is_started_again_on_its_port(tmp_path):
+    """Issue 37: Redis is a cache; SIGKILL restarts it (1 s backoff), the stack goes on."""
+    from pdserve.services.launcher.health import redis_ping
+
+    redis_port, gateway_port = _free_ports(2)
+    log = tmp_path / "launcher.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCHER_WITH_REDIS, SERVER,
+                                 str(redis_port), str(gateway_port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "Stop with Ctrl-C." not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        [redis] = _children(proc.pid, b"redis-server")
+        os.kill(redis, signal.SIGKILL)
+        killed = time.monotonic()
+        while not redis_ping(f"127.0.0.1:{redis_port}", 0.2):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() - killed < 30, log.read_text()
+            time.sleep(0.05)
+        back_after = time.monotonic() - killed
+        while "redis is ready again" not in log.read_text():
+            assert time.monotonic() - killed < 30, log.read_text()
+            time.sleep(0.05)
+        text = log.read_text()
+        assert "redis exited unexpectedly with code -9; restarting it in 1 s (restart 1 in " \
+               "a row)" in text, text
+        assert "stopping everything" not in text and proc.poll() is None
+        assert back_after < 5.0, f"Redis answered again {back_after:.1f} s after the kill"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, log.read_text()
+        assert "stopped: redis exit 0, gateway exit 0" in log.read_text(), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

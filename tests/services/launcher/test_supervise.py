@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.services.cli import build_parser
 from pdserve.services.launcher.config import config_from_args
-from pdserve.services.launcher.supervise import Backoff, Supervisor
+from pdserve.services.launcher.supervise import RESTARTABLE_ROLES, Backoff, Supervisor
 
 
 def _config(*argv: str):
@@ -46,7 +46,7 @@ class Clock:
 def _supervisor(*names: str, restart: bool = True, busy=None, healthy=None):
     clock, said = Clock(), []
     children = {n: FakeChild(n) for n in names}
-    sup = Supervisor([(c, (1000 + i,), n.split("-")[0] in ("prefill", "decode"))
+    sup = Supervisor([(c, (1000 + i,), n.split("-")[0] in RESTARTABLE_ROLES)
                       for i, (n, c) in enumerate(children.items())],
                      said.append, restart=restart, backoff=Backoff(),
                      busy_ports=busy or (lambda ports: []),
@@ -104,13 +104,26 @@ def test_a_child_that_keeps_dying_backs_off_and_a_long_run_resets_it():
     assert said[-1].endswith("restarting it in 1 s (restart 1 in a row)")
 
 
-@pytest.mark.parametrize("name", ["gateway", "redis"])
-def test_gateway_or_redis_death_stops_everything(name):
+@pytest.mark.parametrize("code", [0, -9])
+def test_the_gateways_death_stops_everything(code):
     sup, kids, clock, said = _supervisor("redis", "prefill-0", "decode-0", "gateway")
-    kids[name].code = 0 if name == "redis" else -9
-    code = kids[name].code
-    assert sup.tick() == f"{name} exited unexpectedly with code {code}; stopping everything"
-    assert kids[name].starts == 0
+    kids["gateway"].code = code
+    assert sup.tick() == f"gateway exited unexpectedly with code {code}; stopping everything"
+    assert kids["gateway"].starts == 0
+
+
+def test_a_dead_redis_is_restarted_like_an_engine():
+    """Issue 37: Redis holds a cache; its death must not stop the stack."""
+    sup, kids, clock, said = _supervisor("redis", "prefill-0", "decode-0", "gateway")
+    kids["redis"].code = -9
+    assert sup.tick() is None
+    assert said == ["redis exited unexpectedly with code -9; restarting it in 1 s "
+                    "(restart 1 in a row)"]
+    clock.now = 1.0
+    assert sup.tick() is None and kids["redis"].starts == 1
+    assert sup.tick() is None
+    assert said[-1] == "redis is ready again, 1.0 s after it exited"
+    assert [k.starts for k in kids.values()] == [1, 0, 0, 0]
 
 
 def test_without_restarts_an_engine_death_stops_everything():
