@@ -13,7 +13,8 @@ then each kills a process:
 1. kill -9 of a decode process while 8 greedy, 8 seeded and 4 JSON-schema-guided streams run:
    every client gets the answer of an undisturbed run (same requests first), with no error
    event, and the guided answers still validate;
-2. kill -9 of the prefill process: requests still succeed (the decode instance prefills);
+2. kill -9 of the prefill process: requests still succeed (the decode instance prefills)
+   and /health stays 200, naming the prefill as degraded (issue 37);
 3. kill -9 of the last decode process: the in-flight stream ends with an OpenAI error event
    and [DONE]; a new request gets 503.
 """
@@ -393,20 +394,44 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster, caplog):
         "worst_gap_after_kill_s": round(max(gaps), 3)}
 
 
+async def _poll_health(gw: RunningGateway, replies: list, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        r = await gw.http.get("/health")
+        replies.append((r.status_code, r.json()))
+        await asyncio.sleep(0.05)
+
+
 async def test_prefill_kill_falls_back_to_local_prefill(gateway, cluster):
+    """Issue 37: with the only prefill dead the decode instances prefill themselves, so
+    /health stays 200 all along and names the prefill as the degraded part."""
     assert any(d.alive for d in cluster.decodes), "a decode instance is needed"
     reference = (await _reference(gateway))[:2]
     before = _stats(gateway).prefill_retries
+    polls: list[tuple[int, dict]] = []
+    stop = asyncio.Event()
+    poller = asyncio.ensure_future(_poll_health(gateway, polls, stop))
     cluster.prefill.kill()
     results = [StreamResult() for _ in reference]
-    await asyncio.gather(*(_stream(gateway, m, r)
-                           for m, r in zip(PARITY_MESSAGES[:2], results)))
+    try:
+        await asyncio.gather(*(_stream(gateway, m, r)
+                               for m, r in zip(PARITY_MESSAGES[:2], results)))
+    finally:
+        stop.set()
+        await poller
     for got, ref in zip(results, reference):
         assert got.done and not got.errors, got.errors
         assert (got.text, got.completion_tokens) == (ref.text, ref.completion_tokens)
-    assert (await gateway.http.get("/health")).status_code == 503  # no prefill SERVING
+    r = await gateway.http.get("/health")
+    body = r.json()
+    assert r.status_code == 200, body  # the decode instances serve
+    assert body["status"] == "degraded" and "prefill" in body["degraded"], body
+    assert body["prefill"] == {"serving": 0, "instances": 1}
+    assert body["decode"]["serving"] >= 1 and body["redis"] is None
+    assert "prefill every prompt" in body["degraded"]["prefill"]
+    assert polls and {status for status, _ in polls} == {200}, polls
     NUMBERS["prefill_kill"] = {"requests": 2, "kills": 1, "client_errors": 0,
-                               "prefill_retries": _stats(gateway).prefill_retries - before}
+                               "prefill_retries": _stats(gateway).prefill_retries - before,
+                               "health_polls": len(polls), "health_200": len(polls)}
 
 
 async def test_last_decode_kill_ends_stream_with_error_and_new_requests_get_503(gateway,

@@ -1,7 +1,8 @@
 """Redis stopped and restarted during a 200-request run (issue 6 acceptance): no request
-fails; the gateway falls back to its static instance lists while Redis is down; afterwards
-each instance republishes its cache (the index matches again) and the gateway's cache-aware
-routing sees the instances and their cached prefixes again.
+fails; the gateway places from its last view of the registry while Redis is down (issue 37:
+its RegistryView, never a Redis call per request); afterwards each instance republishes its
+cache (the index matches again) and the gateway's cache-aware routing sees the instances and
+their cached prefixes again.
 
 The real gateway (with --redis-url and the static lists) in front of real prefill and
 decode services; one real redis-server, stopped and started on the same port (empty, as
@@ -74,7 +75,7 @@ class OutageRun:
     """(stop, start) of redis-server, monotonic seconds."""
     finished_at: dict[int, float] = field(default_factory=dict)
     registry_during: tuple | None = None
-    """(live instances, longest_prefix) the gateway's registry answered during the outage."""
+    """(live instance ids, is_up) of the gateway's registry view during the outage."""
     gauge_during: list[float] | None = None
     gauge_exported: bool = False
     seconds: float = 0.0
@@ -100,7 +101,6 @@ async def run_with_outage(gw: RunningGateway, cluster: Cluster,
     model = gw.config.served_model_name
     run = OutageRun([make_plan(i, rng, model, prefixes, {}) for i in range(NUM_REQUESTS)])
     registry = gw.app.state.gateway.engine.placer.registry
-    probe_hashes = await prompt_hashes(gw, prefixes[0])
     semaphore = asyncio.Semaphore(CONCURRENCY)
     enough = asyncio.Event()
 
@@ -128,8 +128,8 @@ async def run_with_outage(gw: RunningGateway, cluster: Cluster,
                 break
             await asyncio.sleep(0.1)
         run.gauge_exported, run.gauge_during = gauge is not None, gauge
-        run.registry_during = (await registry.live_instances(),
-                               await registry.longest_prefix(probe_hashes))
+        run.registry_during = ({i.instance_id for i in await registry.live_instances()},
+                               registry.is_up)
         await asyncio.to_thread(redis.start)  # same port, empty
         run.outage = (stop, time.monotonic())
 
@@ -156,7 +156,7 @@ async def outage_run(gateway, cluster, redis_server) -> OutageRun:
     return run
 
 
-async def test_no_request_fails_while_redis_restarts(outage_run):
+async def test_no_request_fails_while_redis_restarts(outage_run, cluster):
     assert not outage_run.problems, "\n".join(outage_run.problems[:20])
     assert len(outage_run.results) == NUM_REQUESTS
     assert all(r.status == 200 for r in outage_run.results.values())
@@ -165,9 +165,11 @@ async def test_no_request_fails_while_redis_restarts(outage_run):
     # Requests really ran while Redis was down, and after it came back.
     assert outage_run.completed_during_outage >= 5
     assert sum(t > start for t in outage_run.finished_at.values()) >= 5
-    # ... and the gateway really served them without the registry (static lists).
-    live, held = outage_run.registry_during
-    assert live == [] and held == {}
+    # ... and the gateway served them from its last view of the registry (it knew Redis
+    # was down and still listed both instances).
+    live, is_up = outage_run.registry_during
+    assert live == {cluster.prefill.identity.instance_id, cluster.decode.identity.instance_id}
+    assert is_up is False
 
 
 async def test_index_republished_and_cache_aware_routing_resumes(outage_run, gateway, cluster):
