@@ -58,6 +58,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """OpenAI logit_bias: token id -> value added to its logit before sampling (greedy
     too; logprobs stay those of the raw logits, as vLLM's)."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be sampled (every other logit is -inf before
+    sampling, greedy too; logprobs stay those of the raw logits). Non-empty when set."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """vLLM's `bad_words` tokenized (`_bad_words_token_ids`, by the gateway: each word with
+    and without a leading space): a one-token word is never sampled; a longer one's last
+    token is banned while the output so far ends with the word's other tokens."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (vLLM's name); the
     request ends when the grammar does (EOS allowed only where it accepts)."""
@@ -103,6 +110,18 @@ class SamplingParams:
             for token_id, bias in self.logit_bias.items():
                 _check_int("logit_bias token id", token_id, lo=0)
                 _check_float("logit_bias", bias)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            _check_token_id_list("allowed_token_ids", self.allowed_token_ids)
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, list):
+                raise ValueError(f"bad_words_token_ids must be a list, got "
+                                 f"{self.bad_words_token_ids!r}")
+            for word in self.bad_words_token_ids:
+                _check_token_id_list("bad_words_token_ids", word)
+                if not word:
+                    raise ValueError("bad_words_token_ids must not hold an empty word")
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
@@ -125,6 +144,12 @@ def _check_int(name: str, value: object, lo: int | None = None, hi: int | None =
         raise ValueError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_token_id_list(name: str, value: object) -> None:
+    if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"{name} must be a list of non-negative ints, got {value!r}")
 
 
 def _check_float(name: str, value: object, lo: float | None = None, hi: float | None = None,

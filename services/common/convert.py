@@ -33,6 +33,8 @@ def sampling_params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos, logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         logit_bias=dict(p.logit_bias) or None,
+        allowed_token_ids=list(p.allowed_token_ids) or None,
+        bad_words_token_ids=[list(w.token_ids) for w in p.bad_words_token_ids] or None,
         structured_outputs=structured_outputs_from_proto(p.structured_outputs)
         if p.HasField("structured_outputs") else None, priority=p.priority)
 

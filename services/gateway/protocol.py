@@ -65,6 +65,12 @@ class SamplingRequest(OpenAIBaseModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = None
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be generated."""
+    bad_words: list[str] | None = None
+    """vLLM's: words never generated (services/gateway/sampling.py tokenize_bad_words)."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep the prompt's last N tokens (-1: max_model_len) before the length check."""
     priority: int = 0
     """vLLM's: lower is served first; only with the engines' --scheduling-policy priority."""
     response_format: dict | None = None

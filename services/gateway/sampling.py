@@ -27,6 +27,39 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
             raise bad_request(f"token id {t} is out of range [0, {vocab_size})", param)
 
 
+MAX_NUM_BAD_WORDS = 128
+"""Most token sequences `bad_words` may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS)."""
+
+
+async def tokenize_bad_words(words: list[str] | None, encode) -> list[list[int]] | None:
+    """vLLM's `SamplingParams.update_from_tokenizer`: each word tokenized as given (leading
+    spaces stripped) and with one leading space; the spaced form is kept only when it
+    starts with another token and has as many tokens (a word at the start of the text and
+    one in its middle).
+
+    Args:
+        encode: `GatewayTokenizer.encode_prompt` (text, add_special_tokens) -> token ids.
+
+    Raises:
+        GatewayError: 400 naming bad_words, for an empty word or too many sequences.
+    """
+    if not words:
+        return None
+    out: list[list[int]] = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("bad_words must not hold an empty word", "bad_words")
+        plain = await encode(word.lstrip(), False)
+        spaced = await encode(" " + word.lstrip(), False)
+        out.append(plain)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+        if len(out) > MAX_NUM_BAD_WORDS:
+            raise bad_request(f"bad_words tokenize to more than {MAX_NUM_BAD_WORDS} token "
+                              f"sequences", "bad_words")
+    return out
+
+
 def check_logprobs(value: int | None, param: str, max_logprobs: int = MAX_LOGPROBS) -> None:
     if value is not None and not 0 <= value <= max_logprobs:
         raise bad_request(f"{param} must be in [0, {max_logprobs}], got {value}", param)
@@ -51,6 +84,29 @@ def check_limits(req: SamplingRequest, config: GatewayConfig) -> None:
     if req.stop_token_ids is not None and len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise bad_request(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most "
                           f"{MAX_STOP_TOKEN_IDS} are allowed", "stop_token_ids")
+
+
+def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last N tokens (left truncation),
+    before the context-length check; -1 means N = max_model_len; None keeps everything.
+
+    Raises:
+        GatewayError: 400 naming truncate_prompt_tokens when N < -1 or N > max_model_len.
+    """
+    n = truncate_prompt_tokens
+    if n is None:
+        return token_ids
+    if n == -1:
+        n = max_model_len
+    if n < 0:
+        raise bad_request(f"truncate_prompt_tokens must be -1 or >= 0, got {n}",
+                          "truncate_prompt_tokens")
+    if n > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens value ({n}) is greater than max_model_len "
+                          f"({max_model_len}). Please, select a smaller truncation size.",
+                          "truncate_prompt_tokens")
+    return token_ids[len(token_ids) - n:] if n < len(token_ids) else token_ids
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, *,
@@ -81,12 +137,14 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
 def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
                           vocab_size: int, max_n: int, max_tokens_param: str = "max_tokens",
                           structured_outputs: StructuredOutputsParams | None = None,
+                          bad_words_token_ids: list[list[int]] | None = None,
                           ) -> SamplingParams:
     """Validated sampling params (defaults filled in as OpenAI and vLLM do).
 
     Args:
         max_tokens_param: the request field max_tokens came from (for error messages).
         structured_outputs: the output constraint (services/gateway/structured_outputs.py).
+        bad_words_token_ids: `req.bad_words` tokenized (`tokenize_bad_words`).
     """
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
@@ -104,6 +162,14 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
     logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
+    allowed_token_ids = None
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise bad_request("allowed_token_ids must not be empty", "allowed_token_ids")
+        check_token_ids(req.allowed_token_ids, vocab_size, "allowed_token_ids")
+        allowed_token_ids = sorted(set(req.allowed_token_ids))
+    for word in bad_words_token_ids or ():
+        check_token_ids(word, vocab_size, "bad_words")
     try:
         return SamplingParams(
             n=req.n,
@@ -118,7 +184,8 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop_token_ids=stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
-            structured_outputs=structured_outputs, priority=req.priority)
+            structured_outputs=structured_outputs, priority=req.priority,
+            allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids)
     except ValueError as e:
         message = str(e)
         if message.startswith("max_tokens "):
@@ -177,6 +244,10 @@ def to_engine_params(sp: SamplingParams, choice: int) -> engine_pb2.SamplingPara
         params.prompt_logprobs = sp.prompt_logprobs
     if sp.logit_bias:
         params.logit_bias.update(sp.logit_bias)
+    if sp.allowed_token_ids:
+        params.allowed_token_ids.extend(sp.allowed_token_ids)
+    for word in sp.bad_words_token_ids or ():
+        params.bad_words_token_ids.add(token_ids=word)
     so = sp.structured_outputs
     if so is not None:
         params.structured_outputs.CopyFrom(engine_pb2.StructuredOutputs(

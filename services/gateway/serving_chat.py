@@ -21,6 +21,8 @@ from pdserve.services.gateway.sampling import (
     check_limits,
     check_logprobs,
     resolve_max_tokens,
+    tokenize_bad_words,
+    truncate_prompt,
 )
 from pdserve.services.gateway.serving import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
@@ -87,13 +89,17 @@ class ChatServing(OpenAIServing):
         prompt = PromptInput(await self.encode_messages(
             req, req.tools if tool_mode is not None else None))
         info = await self.engine.engine_info()
+        prompt.token_ids = truncate_prompt(prompt.token_ids, req.truncate_prompt_tokens,
+                                           info.max_model_len)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(len(prompt.token_ids), req.requested_max_tokens,
                                         info.max_model_len, default=None, param=param)
         sp = build_sampling_params(req, max_tokens=max_tokens,
                                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
-                                   max_tokens_param=param, structured_outputs=structured_outputs)
+                                   max_tokens_param=param, structured_outputs=structured_outputs,
+                                   bad_words_token_ids=await tokenize_bad_words(
+                                       req.bad_words, self.tokenizer.encode_prompt))
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
         out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}",

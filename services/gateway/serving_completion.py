@@ -19,6 +19,8 @@ from pdserve.services.gateway.sampling import (
     check_logprobs,
     check_token_ids,
     resolve_max_tokens,
+    tokenize_bad_words,
+    truncate_prompt,
 )
 from pdserve.services.gateway.serving import (
     ChoiceRun,
@@ -73,7 +75,12 @@ class CompletionServing(OpenAIServing):
         check_logprobs(req.logprobs, "logprobs", self.config.max_logprobs)
         structured_outputs, guided_param = resolve_structured_outputs(req)
         prompts = await self._prompts(req)
+        bad_words_token_ids = await tokenize_bad_words(req.bad_words,
+                                                       self.tokenizer.encode_prompt)
         max_model_len = (await self.engine.engine_info()).max_model_len
+        if req.truncate_prompt_tokens is not None:
+            prompts = [PromptInput(truncate_prompt(p.token_ids, req.truncate_prompt_tokens,
+                                                   max_model_len)) for p in prompts]
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
         echo_only = req.echo and req.max_tokens == 0
         # echo + logprobs: the engine returns the prompt's logprobs with the first token;
@@ -86,7 +93,7 @@ class CompletionServing(OpenAIServing):
                 len(p.token_ids), None if echo_only else 1 if prompt_only else req.max_tokens,
                 max_model_len, default=_DEFAULT_MAX_TOKENS),
             logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
-            structured_outputs=structured_outputs),
+            structured_outputs=structured_outputs, bad_words_token_ids=bad_words_token_ids),
             prompt_logprobs=prompt_logprobs) for p in prompts]
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)

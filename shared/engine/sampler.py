@@ -3,6 +3,7 @@
 Order of operations (logprobs from the raw logits, as vLLM v1 returns them by default):
 
     raw logits -> logprobs (fp32 log-softmax, before anything else)
+               -> allowed_token_ids, bad_words (-inf outside / at the banned tokens)
                -> min_tokens suppression -> penalties (repetition, then frequency / presence)
                -> logit_bias (added to the (row, token) pairs of every row that has one)
                -> greedy rows: argmax
@@ -94,8 +95,11 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * md.num_reqs)
         logprobs = _compute_logprobs(logits, md) if md.max_num_logprobs is not None else None
         if md.min_tokens_rows is not None or md.penalties is not None \
-                or md.logit_bias_rows is not None:
+                or md.logit_bias_rows is not None or md.allowed_rows is not None \
+                or md.bad_words_rows is not None:
             logits = logits.clone()
+            apply_allowed_token_ids(logits, md)
+            apply_bad_words(logits, md)
             apply_min_tokens(logits, md)
             apply_penalties(logits, md)
             apply_logit_bias(logits, md)
@@ -204,6 +208,23 @@ class Sampler:
         if generator is None:
             generator = self._keyed_generators[device] = torch.Generator(device=device)
         return generator
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: -inf at every token a row with allowed_token_ids may not sample
+    ([num_reqs, vocab] float32; vLLM's allowed_token_ids mask)."""
+    if metadata.allowed_rows is not None:
+        assert metadata.disallowed_mask is not None
+        rows = metadata.allowed_rows
+        logits[rows] = logits[rows].masked_fill_(metadata.disallowed_mask, float("-inf"))
+
+
+def apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """In place: -inf at the (row, token) pairs the rows' bad words ban this step."""
+    if metadata.bad_words_rows is not None:
+        assert metadata.bad_words_token_ids is not None
+        logits.index_put_((metadata.bad_words_rows, metadata.bad_words_token_ids),
+                          torch.tensor(float("-inf"), device=logits.device))
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:

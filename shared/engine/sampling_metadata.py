@@ -79,6 +79,15 @@ class SamplingMetadata:
     """[num_biases] int64, unique per row."""
     logit_bias_values: torch.Tensor | None
     """[num_biases] float32."""
+    allowed_rows: torch.Tensor | None
+    """[num_allowed_rows] int64: the rows with allowed_token_ids (None: no row has them)."""
+    disallowed_mask: torch.Tensor | None
+    """[num_allowed_rows, vocab_size] bool, True at the tokens those rows may NOT sample."""
+    bad_words_rows: torch.Tensor | None
+    """[num_banned] int64; with `bad_words_token_ids`, the (row, token) logits set to -inf
+    this step by the requests' bad words (`banned_bad_words_tokens`)."""
+    bad_words_token_ids: torch.Tensor | None
+    """[num_banned] int64."""
     num_logprobs: list[int | None]
     """Per row: SamplingParams.logprobs (None: no logprobs for that row)."""
     max_num_logprobs: int | None
@@ -94,7 +103,8 @@ class SamplingMetadata:
     def is_plain_greedy(self) -> bool:
         """All rows greedy, with no penalty, min_tokens or logprobs: a bare argmax."""
         return (self.all_greedy and self.penalties is None and self.min_tokens_rows is None
-                and self.max_num_logprobs is None and self.logit_bias_rows is None)
+                and self.max_num_logprobs is None and self.logit_bias_rows is None
+                and self.allowed_rows is None and self.bad_words_rows is None)
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int,
@@ -127,6 +137,9 @@ class SamplingMetadata:
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
+        allowed_rows: list[int] = []
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
         for row, request in enumerate(requests):
             sp = request.sampling_params
             num_output = request.num_output_tokens
@@ -164,6 +177,16 @@ class SamplingMetadata:
                         bias_rows.append(row)
                         bias_ids.append(token_id)
                         bias_values.append(bias)
+            if sp.allowed_token_ids:
+                allowed_rows.append(row)
+            if sp.bad_words_token_ids:
+                # NOTE: offset rows (speculative decoding) never have bad words
+                # (spec_decode/verification.py can_speculate): output_token_ids is the history.
+                for token_id in banned_bad_words_tokens(sp.bad_words_token_ids,
+                                                        request.output_token_ids):
+                    if token_id < vocab_size:
+                        banned_rows.append(row)
+                        banned_ids.append(token_id)
         num_logprobs = [r.sampling_params.logprobs for r in requests]
         requested = [n for n in num_logprobs if n is not None]
         return cls(
@@ -189,11 +212,50 @@ class SamplingMetadata:
             logit_bias_token_ids=_to_index(bias_ids, device),
             logit_bias_values=torch.tensor(bias_values, dtype=torch.float32, device=device)
             if bias_values else None,
+            allowed_rows=_to_index(allowed_rows, device),
+            disallowed_mask=_build_disallowed_mask(requests, allowed_rows, vocab_size, device),
+            bad_words_rows=_to_index(banned_rows, device),
+            bad_words_token_ids=_to_index(banned_ids, device),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
             all_greedy=len(greedy_rows) == len(requests),
             all_random=not greedy_rows,
         )
+
+
+def banned_bad_words_tokens(bad_words_token_ids: list[list[int]],
+                            output_token_ids: list[int]) -> list[int]:
+    """The token ids the bad words ban at the next position, sorted and unique (vLLM's
+    `apply_bad_words`): a one-token word's token always; a longer word's last token when
+    the output so far ends with the word's other tokens. Only output tokens count (a word
+    that starts in the prompt is not matched), as in vLLM.
+    """
+    banned: set[int] = set()
+    num_output = len(output_token_ids)
+    for word in bad_words_token_ids:
+        prefix_len = len(word) - 1
+        if prefix_len > num_output:
+            continue
+        if prefix_len == 0 or output_token_ids[num_output - prefix_len:] == word[:-1]:
+            banned.add(word[-1])
+    return sorted(banned)
+
+
+def _build_disallowed_mask(requests: list[Request], rows: list[int], vocab_size: int,
+                           device: torch.device | str) -> torch.Tensor | None:
+    if not rows:
+        return None
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool, device=device)
+    local: list[int] = []
+    ids: list[int] = []
+    for i, row in enumerate(rows):
+        allowed = [t for t in requests[row].sampling_params.allowed_token_ids or ()
+                   if t < vocab_size]
+        local += [i] * len(allowed)
+        ids += allowed
+    if ids:
+        mask[torch.tensor(local, device=device), torch.tensor(ids, device=device)] = False
+    return mask
 
 
 def _to_index(values: list[int], device: torch.device | str) -> torch.Tensor | None:

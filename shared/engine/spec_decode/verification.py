@@ -39,11 +39,11 @@ def num_accepted_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> int:
 
 
 def can_speculate(request: Request) -> bool:
-    """Drafts are scored only for plain requests: no grammar, no penalties (they would
-    need the drafts in their token counts) and no prompt logprobs."""
+    """Drafts are scored only for plain requests: no grammar, no penalties or bad words
+    (they would need the drafts in their token history) and no prompt logprobs."""
     sp = request.sampling_params
     return (request.structured_output is None and not sp.has_penalties
-            and sp.prompt_logprobs is None)
+            and sp.prompt_logprobs is None and not sp.bad_words_token_ids)
 
 
 def max_num_drafts(request: Request, max_model_len: int) -> int:

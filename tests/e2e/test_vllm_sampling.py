@@ -1,0 +1,91 @@
+"""End-to-end: vLLM's request fields applied through the real gateway over the split (real
+prefill and decode services, SmolLM2): bad_words, allowed_token_ids, truncate_prompt_tokens
+(issue 36). Greedy throughout, so each field's effect is a fixed, checkable answer."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from tests.e2e.conftest import E2E_ENGINE, Urls
+from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
+from tests.services.helpers import Cluster, start_cluster
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
+
+FRANCE = "The capital of France is"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster(model_path) -> AsyncIterator[Cluster]:
+    c = await start_cluster(model_path, None, **E2E_ENGINE)
+    yield c
+    await c.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(model_path, cluster) -> AsyncIterator[RunningGateway]:
+    urls = Urls((cluster.prefill.identity.address,), (cluster.decode.identity.address,))
+    async with running_gateway(model_path, urls, rpc_timeout=10.0) as gw:  # type: ignore[arg-type]
+        yield gw
+
+
+async def complete(gw: RunningGateway, prompt, max_tokens: int = 6, **extra) -> dict:
+    resp = await gw.http.post("/v1/completions", timeout=120, json=dict(
+        model=SERVED_MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, **extra))
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+async def test_bad_words_ban_the_greedy_answer(gateway):
+    plain = (await complete(gateway, FRANCE))["choices"][0]["text"]
+    assert plain.startswith(" Paris")
+    for endpoint_extra in ({}, {"stream": False, "logprobs": 1}):
+        banned = (await complete(gateway, FRANCE, max_tokens=12, bad_words=["Paris"],
+                                 **endpoint_extra))["choices"][0]["text"]
+        assert "Paris" not in banned and banned.strip()
+    chat = await gateway.http.post("/v1/chat/completions", timeout=120, json=dict(
+        model=SERVED_MODEL, max_tokens=16, temperature=0, bad_words=[" Paris"],
+        messages=[{"role": "user", "content": "What is the capital of France?"}]))
+    assert chat.status_code == 200, chat.text
+    assert "Paris" not in chat.json()["choices"][0]["message"]["content"]
+
+
+async def test_allowed_token_ids_only_those_are_generated(gateway, tokenizer):
+    allowed = tokenizer.encode(" London.", add_special_tokens=False)
+    assert len(allowed) == 2
+    body = await complete(gateway, FRANCE, max_tokens=5, logprobs=0, allowed_token_ids=allowed)
+    tokens = body["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 5  # EOS is not allowed: to max_tokens
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert set(tokens) <= texts, tokens
+    assert body["choices"][0]["text"] == "".join(tokens)
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_n(gateway, tokenizer):
+    long_ids = tokenizer.encode("one two three " * 1000, add_special_tokens=False)[:3000]
+    long_ids += tokenizer.encode(" " + FRANCE, add_special_tokens=False)
+    too_long = await gateway.http.post("/v1/completions", json=dict(
+        model=SERVED_MODEL, prompt=long_ids, max_tokens=4, temperature=0))
+    assert too_long.status_code == 400
+    truncated = await complete(gateway, long_ids, max_tokens=4, truncate_prompt_tokens=100)
+    assert truncated["usage"]["prompt_tokens"] == 100
+    tail = await complete(gateway, long_ids[-100:], max_tokens=4)
+    assert truncated["choices"][0]["text"] == tail["choices"][0]["text"]
+    chat = await gateway.http.post("/v1/chat/completions", timeout=120, json=dict(
+        model=SERVED_MODEL, max_tokens=2, temperature=0, truncate_prompt_tokens=7,
+        messages=[{"role": "user", "content": "one two three " * 700}]))
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["prompt_tokens"] == 7
+
+
+@pytest.mark.parametrize("field,value", [
+    ("allowed_token_ids", [-1]), ("allowed_token_ids", []), ("bad_words", [""]),
+    ("truncate_prompt_tokens", 4096), ("truncate_prompt_tokens", -2)])
+async def test_invalid_values_are_refused_naming_the_field(gateway, field, value):
+    resp = await gateway.http.post("/v1/completions", json={
+        "model": SERVED_MODEL, "prompt": FRANCE, "max_tokens": 2, field: value})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == field
