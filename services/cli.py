@@ -125,6 +125,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from pdserve.shared.config import ParallelConfig
     from pdserve.shared.engine.engine_core import apply_cpu_placement
     from pdserve.shared.engine_args import EngineArgs, parse_cores
+    from pdserve.shared.models.architectures import check_model_dir
 
     role = ns.serve_role
     if _crashes_once(role):
@@ -134,6 +135,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(ns)
         if role == "decode":
             engine_args.create_speculative_config()  # a bad key: one line and exit 2
+        check_model_dir(engine_args.model, engine_args.max_model_len)  # before listening
         # Bind before any thread starts (gRPC's, the engine's): threads inherit the mask.
         # The event loop's own torch work (KV chunk copies) runs on one thread: only the
         # engine thread owns a multi-threaded OpenMP pool (see apply_cpu_placement).

@@ -263,6 +263,7 @@ class EngineArgs:
         Raises:
             ValueError / FileNotFoundError: naming the flag that is wrong.
         """
+        from pdserve.shared.models.architectures import check_hf_config
         from pdserve.shared.models.convert import resolve_model_path
         from pdserve.shared.models.loader import read_hf_config
 
@@ -273,6 +274,7 @@ class EngineArgs:
         if max_model_len > max_pos:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                              f"max_position_embeddings={max_pos}")
+        check_hf_config(hf, max_model_len)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) != 1:
                 raise ValueError(f"{name}={getattr(self, name)}: pdserve runs one device per "

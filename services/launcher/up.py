@@ -311,11 +311,11 @@ def main(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted before anything started")
         return 130
-    try:  # the engines' own check, now: a bad flag fails before anything starts
+    try:  # the engines' own check, now: a bad flag (or model) fails before anything starts
         dataclasses.replace(config.engine_args, model=model_path).create_engine_configs()
     except (ValueError, FileNotFoundError) as e:
         say(f"error: {e}")
-        return 1
+        return 2
     name = served_model_name(config.engine_args.model, model_path,
                              config.engine_args.served_model_name)
     plan = build_plan(config, model_path, name)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
 
 gpt-fast-style single file: RMSNorm, rotary embeddings, GQA attention through
 `kernels.store_kv_cache` / `kernels.paged_attention`, SwiGLU MLP. Inputs are the
@@ -23,7 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
-from pdserve.shared.models.rotary import RotaryEmbedding, RotaryInputs, rope_theta_from_config
+from pdserve.shared.models.architectures import check_hf_config
+from pdserve.shared.models.rotary import (
+    RotaryEmbedding,
+    RotaryInputs,
+    rope_parameters,
+    rope_theta_from_config,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,18 +49,18 @@ class LlamaArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before the rotary."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlamaArgs:
-        """Raises ValueError for an architecture this file does not implement."""
-        archs = cfg.get("architectures") or []
-        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
-        if archs and archs[0] not in supported:
-            raise ValueError(f"architecture {archs[0]!r} is not supported "
-                             f"(supported: {sorted(supported)})")
+        """Raises ValueError for an architecture this file does not implement
+        (`architectures.check_hf_config`)."""
+        check_hf_config(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         is_qwen2 = cfg.get("model_type") == "qwen2"
+        is_qwen3 = (cfg.get("architectures") or [""])[0] == "Qwen3ForCausalLM"
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -65,10 +71,13 @@ class LlamaArgs:
             head_dim=cfg.get("head_dim") or hidden // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta_from_config(cfg),
-            rope_scaling=cfg.get("rope_scaling"),
+            # NOTE: transformers 5 writes the scaling into `rope_parameters`, older versions
+            # into `rope_scaling`: reading only the latter served llama3 scaling as default.
+            rope_scaling=rope_parameters(cfg) or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
+            qk_norm=is_qwen3,
         )
 
 
@@ -143,6 +152,10 @@ class RMSNorm(nn.Module):
         residual = residual + x
         return self._norm(residual), residual
 
+    def norm_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path over the last dim of any shape (e.g. [T, heads, head_dim])."""
+        return self._norm(x)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
@@ -164,6 +177,10 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=args.attention_bias)
         self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        """Qwen3's per-head norms (None elsewhere); always the torch path (the fused C norm
+        takes whole rows), which is bit-identical."""
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, rotary_inputs: RotaryInputs,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn) -> torch.Tensor:
@@ -173,6 +190,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm.norm_torch(q), self.k_norm.norm_torch(k)  # new contiguous
         q, k = rotary.apply(q, k, rotary_inputs)
         out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))

@@ -34,6 +34,10 @@ def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def args_arch(model_path: Path) -> str:
+    return (read_hf_config(model_path).get("architectures") or ["Llama"])[0]
+
+
 def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cpu",
                quantization: str = "none") -> LlamaForCausalLM:
     """Build the model from `config.json` and fill it from the safetensors files.
@@ -76,6 +80,9 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
             state[q + "self_attn.qkv_proj.bias"] = torch.cat(
                 [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
         state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
+        if args.qk_norm:
+            state[q + "self_attn.q_norm.weight"] = take(att + "q_norm.weight")
+            state[q + "self_attn.k_norm.weight"] = take(att + "k_norm.weight")
         state[q + "mlp.gate_up_proj.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
         state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
@@ -84,8 +91,10 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
     ckpt.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
     leftover = [k for k in ckpt if "rotary_emb" not in k]
     if leftover:
-        logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(leftover),
-                       leftover[:3])
+        # NOTE: a weight this model has no place for is a part of the architecture it does
+        # not implement (a bias, a norm): serving without it would give wrong tokens.
+        raise ValueError(f"checkpoint {model_path} has {len(leftover)} weights this "
+                         f"{args_arch(model_path)} model does not use, e.g. {leftover[:3]}")
     torch_dtype = _DTYPES[dtype]
     state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)

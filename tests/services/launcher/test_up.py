@@ -220,7 +220,7 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
 ], ids=["max_model_len", "spec_k_0", "spec_no_draft"])
 def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path, flags, message):
     """The engines' own configuration check runs in the launcher first (the speculative
-    config and its draft's config.json too): one line and exit 1, with no child started and
+    config and its draft's config.json too): one line and exit 2, with no child started and
     no traceback (a decode restarted forever on a bad --speculative-config before)."""
     port = _free_port()
     done = subprocess.run([sys.executable, "-m", "pdserve.services.cli", "up",
@@ -228,6 +228,6 @@ def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path, flags
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     out = done.stdout + done.stderr
-    assert done.returncode == 1, out
+    assert done.returncode == 2, out
     assert message in out, out
     assert "Traceback" not in out and "[gateway]" not in out and "[redis]" not in out

@@ -1,0 +1,92 @@
+"""Which HF checkpoints pdserve serves exactly, checked from config.json alone (no torch).
+
+A checkpoint whose architecture, rope type or attention variant pdserve does not implement
+is refused with one line naming it, before any weight is read or any service starts
+(`EngineArgs.create_engine_configs` runs `check_hf_config`), never served with wrong tokens.
+Each supported architecture is proven token for token against transformers on a tiny random
+checkpoint built from transformers' own classes (tests/shared/models/test_architectures.py).
+Names follow vLLM's `vllm/model_executor/models/` registry.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "Llama 2/3.x, SmolLM2 (rope: default, linear, llama3)",
+    "MistralForCausalLM": "Mistral (without a sliding window shorter than max_model_len)",
+    "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (q/k/v bias)",
+    "Qwen3ForCausalLM": "Qwen3 (per-head q/k RMSNorm)",
+}
+"""Architecture (config.json's `architectures[0]`) -> what it covers."""
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+"""`rope_scaling.rope_type` values `shared/models/rotary.py` computes exactly."""
+
+
+def rope_type(cfg: dict) -> str:
+    """The rope type of an HF config (transformers 5's `rope_parameters` or the older
+    `rope_scaling`; "default" when neither names one)."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The attention window a layer of this checkpoint uses, in tokens; None: full attention.
+
+    Mistral applies `sliding_window` when it is set; Qwen2 and Qwen3 only with
+    `use_sliding_window` (transformers' semantics).
+    """
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        return None
+    return int(window)
+
+
+def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
+    """Raise ValueError, in one line naming the part, for a checkpoint pdserve would not
+    serve exactly.
+
+    Args:
+        cfg: the checkpoint's config.json.
+        max_model_len: the engine's; a sliding window at least this long never applies
+            (every sequence fits in it), so it is accepted. None: the window is not checked
+            (the caller checks it once the engine's length is known).
+
+    Raises:
+        ValueError: an architecture not in SUPPORTED_ARCHITECTURES, a rope type not in
+            SUPPORTED_ROPE_TYPES, MLP biases, or a sliding window shorter than
+            `max_model_len` (not implemented on the paged cache yet).
+    """
+    archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+    kind = rope_type(cfg)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {kind!r} of {arch} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{arch} with mlp_bias=true is not supported")
+    window = sliding_window(cfg)
+    if window is not None and max_model_len is not None and window < max_model_len:
+        raise ValueError(f"{arch} uses sliding-window attention (sliding_window={window}) "
+                         f"shorter than max_model_len {max_model_len}, which pdserve does not "
+                         f"implement yet: serve it with --max-model-len {window} or less")
+
+
+def check_model_dir(model: str, max_model_len: int = 0) -> None:
+    """`check_hf_config` for a model given as a local HF directory (a name or a GGUF still
+    to convert is checked when it is loaded); `max_model_len` 0 means the engine's default
+    (the model's max_position_embeddings, at most 8192). Raises ValueError as it does."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return
+    cfg = json.loads(config.read_text())
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    check_hf_config(cfg, max_model_len or min(max_pos, 8192))
