@@ -61,6 +61,9 @@ class TokenLogprobs:
     top_token_ids: list[int]
     """The `logprobs` most likely token ids, most likely first."""
     top_logprobs: list[float]
+    rank: int | None = None
+    """vLLM's `Logprob.rank` of `token_id`: how many vocabulary tokens have a logprob >= its
+    own (1 = the most likely); set for prompt logprobs, None where not computed."""
 
 
 @dataclass(slots=True, eq=False)

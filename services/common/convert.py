@@ -50,7 +50,8 @@ def structured_outputs_from_proto(p: pb.StructuredOutputs) -> StructuredOutputsP
 
 def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
-                            top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+                            top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs,
+                            rank=lp.rank or 0)
 
 
 def prompt_logprobs_to_proto(prompt_logprobs: list[TokenLogprobs | None] | None

@@ -33,6 +33,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     """The requested number of most likely (token_id, logprob), most likely first."""
+    rank: int | None = None
+    """vLLM's rank of token_id (1 = most likely); prompt logprobs only."""
 
 
 @dataclass(slots=True)
@@ -49,7 +51,7 @@ class ChoiceDelta:
     """The stop string or stop token id that ended the choice (vLLM's extension)."""
     prompt_logprobs: list[TokenLogprob] | None = None
     """First delta only, when the engine returned them: one per prompt token after the
-    first (echo with logprobs)."""
+    first (echo with logprobs, or prompt_logprobs)."""
 
 
 class ChoiceProcessor:
@@ -117,4 +119,4 @@ class ChoiceProcessor:
 
 def _token_logprob(lp: engine_pb2.TokenLogprobs, token_id: int | None = None) -> TokenLogprob:
     return TokenLogprob(lp.token_id if token_id is None else token_id, lp.logprob,
-                        list(zip(lp.top_token_ids, lp.top_logprobs)))
+                        list(zip(lp.top_token_ids, lp.top_logprobs)), lp.rank or None)

@@ -69,6 +69,9 @@ class SamplingRequest(OpenAIBaseModel):
     """vLLM's: only these token ids may be generated."""
     bad_words: list[str] | None = None
     """vLLM's: words never generated (services/gateway/sampling.py tokenize_bad_words)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the logprobs of every prompt token, with this many alternatives
+    (services/gateway/prompt_logprobs.py)."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep the prompt's last N tokens (-1: max_model_len) before the length check."""
     priority: int = 0

@@ -185,6 +185,7 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,
             structured_outputs=structured_outputs, priority=req.priority,
+            prompt_logprobs=req.prompt_logprobs,
             allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids)
     except ValueError as e:
         message = str(e)

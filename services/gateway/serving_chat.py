@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from pdserve.services.gateway.errors import bad_request
 from pdserve.services.gateway.output_processor import ChoiceDelta, TokenLogprob
+from pdserve.services.gateway.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_json
 from pdserve.services.gateway.protocol import (
     ChatCompletionRequest,
     check_content_parts,
@@ -74,6 +75,7 @@ class ChatServing(OpenAIServing):
         self.check_model(req.model)
         check_limits(req, self.config)
         check_logprobs(req.top_logprobs, "top_logprobs", self.config.max_logprobs)
+        check_prompt_logprobs(req, self.config.max_logprobs)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         structured_outputs, guided_param = resolve_structured_outputs(req)
@@ -128,7 +130,7 @@ class _ChatOutput:
     def __init__(self, serving: ChatServing, req: ChatCompletionRequest,
                  response_id: str, tool_mode: ToolMode | None = None) -> None:
         """`tool_mode`: set when the answers' tool-call markup becomes `tool_calls`."""
-        self.serving = serving
+        self.serving, self.req = serving, req
         self.tool_mode = tool_mode
         self.meta = {"id": response_id, "created": int(time.time()),
                      "model": serving.config.served_model_name}
@@ -155,8 +157,14 @@ class _ChatOutput:
                                     "tool_calls": [call.to_dict() for call in calls]}
                     if c["finish_reason"] == "stop":
                         c["finish_reason"] = "tool_calls"
-        return {**self.meta, "object": "chat.completion",
-                "choices": [choices[i] for i in sorted(choices)], "usage": run.usage()}
+        out = {**self.meta, "object": "chat.completion",
+               "choices": [choices[i] for i in sorted(choices)], "usage": run.usage()}
+        if self.req.prompt_logprobs is not None:  # vLLM's: one list, for the one prompt
+            first = next(d for d in deltas if d.index == 0)
+            out["prompt_logprobs"] = prompt_logprobs_json(
+                run.prompts[0].token_ids, first.prompt_logprobs or [], self.req.prompt_logprobs,
+                self.serving.tokenizer.token_text)
+        return out
 
     async def stream_chunks(self, run: ChoiceRun, first: ChoiceDelta | None
                             ) -> AsyncIterator[dict]:

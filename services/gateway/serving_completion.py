@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from pdserve.services.gateway.errors import GatewayError, bad_request
 from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor, TokenLogprob
+from pdserve.services.gateway.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_json
 from pdserve.services.gateway.protocol import CompletionRequest, check_unsupported
 from pdserve.services.gateway.sampling import (
     build_sampling_params,
@@ -73,6 +74,7 @@ class CompletionServing(OpenAIServing):
         self.check_model(req.model)
         check_limits(req, self.config)
         check_logprobs(req.logprobs, "logprobs", self.config.max_logprobs)
+        check_prompt_logprobs(req, self.config.max_logprobs)
         structured_outputs, guided_param = resolve_structured_outputs(req)
         prompts = await self._prompts(req)
         bad_words_token_ids = await tokenize_bad_words(req.bad_words,
@@ -83,9 +85,11 @@ class CompletionServing(OpenAIServing):
                                                    max_model_len)) for p in prompts]
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
         echo_only = req.echo and req.max_tokens == 0
-        # echo + logprobs: the engine returns the prompt's logprobs with the first token;
-        # with max_tokens 0 it runs one token only for them, and that token is dropped.
-        prompt_logprobs = req.logprobs if req.echo else None
+        # echo + logprobs (or prompt_logprobs): the engine returns the prompt's logprobs with
+        # the first token; with max_tokens 0 it runs one token only for them, and that token
+        # is dropped. The engine computes the larger top-k of the two; each use slices it.
+        prompt_logprobs = max((k for k in (req.logprobs if req.echo else None,
+                                           req.prompt_logprobs) if k is not None), default=None)
         prompt_only = echo_only and prompt_logprobs is not None
         echo_only = echo_only and not prompt_only
         sampling = [dataclasses.replace(build_sampling_params(
@@ -141,6 +145,10 @@ class _CompletionOutput:
                     "index": d.index, "text": self._echo(d.index),
                     "logprobs": self._prompt_logprobs(d) if d.logprobs is not None else None,
                     "finish_reason": None, "stop_reason": None}
+                if self.req.prompt_logprobs is not None:
+                    c["prompt_logprobs"] = prompt_logprobs_json(
+                        self.prompts[d.index // self.n].token_ids, d.prompt_logprobs or [],
+                        self.req.prompt_logprobs, self.serving.tokenizer.token_text)
             c["text"] += d.text
             if d.logprobs is not None:
                 self._add_logprobs(c["logprobs"], d.logprobs, d.index)
@@ -195,7 +203,7 @@ class _CompletionOutput:
         token_text = self.serving.tokenizer.token_text
         for lp in logprobs:
             token = token_text(lp.token_id)
-            top = {token_text(t): clamp_logprob(v) for t, v in lp.top}
+            top = {token_text(t): clamp_logprob(v) for t, v in lp.top[:self.req.logprobs]}
             top.setdefault(token, clamp_logprob(lp.logprob))
             out["tokens"].append(token)
             out["token_logprobs"].append(clamp_logprob(lp.logprob))

@@ -89,7 +89,9 @@ def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor,
             n = min(ROWS_PER_CHUNK, job.num_positions - off)
             rows = hidden[job.first_row + off:job.first_row + off + n]
             logprobs = torch.log_softmax(compute_logits(rows), dim=-1, dtype=torch.float32)
-            chosen = logprobs.gather(1, targets[off:off + n, None]).squeeze(1).tolist()
+            chosen_t = logprobs.gather(1, targets[off:off + n, None])
+            ranks = (logprobs >= chosen_t).sum(dim=-1).tolist()
+            chosen = chosen_t.squeeze(1).tolist()
             if k:
                 top_values, top_ids = logprobs.topk(k, dim=-1)
                 values, ids = top_values.tolist(), top_ids.tolist()
@@ -97,4 +99,5 @@ def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor,
                 values = ids = [[] for _ in range(n)]
             pos = job.first_pos + off + 1
             for j in range(n):
-                out[pos + j] = TokenLogprobs(target_ids[off + j], chosen[j], ids[j], values[j])
+                out[pos + j] = TokenLogprobs(target_ids[off + j], chosen[j], ids[j], values[j],
+                                             ranks[j])

@@ -1,6 +1,7 @@
 """End-to-end: vLLM's request fields applied through the real gateway over the split (real
-prefill and decode services, SmolLM2): bad_words, allowed_token_ids, truncate_prompt_tokens
-(issue 36). Greedy throughout, so each field's effect is a fixed, checkable answer."""
+prefill and decode services, SmolLM2): bad_words, allowed_token_ids, truncate_prompt_tokens,
+prompt_logprobs (issue 36). Greedy throughout, so each field's effect is a fixed, checkable
+answer; prompt logprobs are checked against transformers' fp32 log-softmax."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
+import torch
 
 from tests.e2e.conftest import E2E_ENGINE, Urls
 from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
@@ -16,6 +18,36 @@ from tests.services.helpers import Cluster, start_cluster
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 
 FRANCE = "The capital of France is"
+ATOL = 1e-4
+
+
+def hf_prompt_logprobs(model_path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers, fp32: per prompt, [len - 1, vocab] log-softmax after each prefix."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+                for ids in prompts]
+
+
+def assert_prompt_logprobs(got: list, ids: list[int], ref: torch.Tensor, k: int) -> None:
+    """vLLM's shape: None, then {id: {logprob, rank, decoded_token}}, the prompt token first
+    and the k most likely after it; values as transformers' within ATOL."""
+    assert len(got) == len(ids) and got[0] is None
+    for p, entry in enumerate(got[1:]):
+        token = ids[p + 1]
+        keys = [int(t) for t in entry]
+        assert keys[0] == token
+        actual = entry[str(token)]
+        assert abs(actual["logprob"] - ref[p, token].item()) <= ATOL
+        assert abs(actual["rank"] - int((ref[p] >= ref[p, token]).sum())) <= 1  # near-ties
+        values, top = ref[p].topk(k)
+        clear = k < 2 or bool((values[:-1] - values[1:]).min() > 10 * ATOL)
+        assert len(keys) in (k, k + 1) and (not clear or set(top.tolist()) <= set(keys))
+        for t in keys:
+            assert abs(entry[str(t)]["logprob"] - ref[p, t].item()) <= ATOL
+            assert isinstance(entry[str(t)]["decoded_token"], str)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -83,9 +115,34 @@ async def test_truncate_prompt_tokens_keeps_the_last_n(gateway, tokenizer):
 
 @pytest.mark.parametrize("field,value", [
     ("allowed_token_ids", [-1]), ("allowed_token_ids", []), ("bad_words", [""]),
-    ("truncate_prompt_tokens", 4096), ("truncate_prompt_tokens", -2)])
+    ("truncate_prompt_tokens", 4096), ("truncate_prompt_tokens", -2), ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21)])
 async def test_invalid_values_are_refused_naming_the_field(gateway, field, value):
     resp = await gateway.http.post("/v1/completions", json={
         "model": SERVED_MODEL, "prompt": FRANCE, "max_tokens": 2, field: value})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == field
+
+
+@pytest.mark.fp32_only  # the reference is transformers' fp32 model
+async def test_prompt_logprobs_equal_transformers_fp32(model_path, tokenizer, gateway):
+    ids = tokenizer.encode(FRANCE + " Paris. The capital of Germany is", add_special_tokens=False)
+    tokenized = await gateway.http.post("/tokenize", json=dict(
+        model=SERVED_MODEL, messages=[{"role": "user", "content": "Name a color."}]))
+    chat_ids = tokenized.json()["tokens"]
+    ref, chat_ref = hf_prompt_logprobs(model_path, [ids, chat_ids])
+    body = await complete(gateway, ids, max_tokens=2, prompt_logprobs=3, n=2, seed=1,
+                          echo=True, logprobs=1)
+    for choice in body["choices"]:
+        assert_prompt_logprobs(choice["prompt_logprobs"], ids, ref, 3)
+        # echo keeps its own 1 alternative (plus the token itself) beside prompt_logprobs=3
+        assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    chat = await gateway.http.post("/v1/chat/completions", timeout=120, json=dict(
+        model=SERVED_MODEL, max_tokens=2, temperature=0, prompt_logprobs=0,
+        messages=[{"role": "user", "content": "Name a color."}]))
+    assert chat.status_code == 200, chat.text
+    assert_prompt_logprobs(chat.json()["prompt_logprobs"], chat_ids, chat_ref, 0)
+    assert "prompt_logprobs" not in (await complete(gateway, ids, max_tokens=1))["choices"][0]
+    streamed = await gateway.http.post("/v1/completions", json=dict(
+        model=SERVED_MODEL, prompt=ids, max_tokens=1, prompt_logprobs=1, stream=True))
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
