@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "Mistral (without a sliding window shorter than max_model_len)",
     "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (q/k/v bias)",
     "Qwen3ForCausalLM": "Qwen3 (per-head q/k RMSNorm)",
+    "Phi3ForCausalLM": "Phi-3 (fused qkv and gate_up weights; rope default or linear)",
 }
 """Architecture (config.json's `architectures[0]`) -> what it covers."""
 
@@ -73,6 +74,11 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
                          f"{', '.join(SUPPORTED_ROPE_TYPES)})")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
+    partial = float((cfg.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"{arch} with partial_rotary_factor={partial} (rotary on part of "
+                         "each head) is not supported")
     window = sliding_window(cfg)
     if window is not None and max_model_len is not None and window < max_model_len:
         raise ValueError(f"{arch} uses sliding-window attention (sliding_window={window}) "

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM2) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2) over the paged KV cache.
 
 gpt-fast-style single file: RMSNorm, rotary embeddings, GQA attention through
 `kernels.store_kv_cache` / `kernels.paged_attention`, SwiGLU MLP. Inputs are the
@@ -51,6 +51,9 @@ class LlamaArgs:
     attention_bias: bool
     qk_norm: bool = False
     """Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before the rotary."""
+    fused_checkpoint: bool = False
+    """Phi-3: the checkpoint stores `qkv_proj` and `gate_up_proj` already fused, in this
+    model's order (q, k, v rows; gate, up rows)."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlamaArgs:
@@ -78,6 +81,7 @@ class LlamaArgs:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
             qk_norm=is_qwen3,
+            fused_checkpoint=(cfg.get("architectures") or [""])[0] == "Phi3ForCausalLM",
         )
 
 

@@ -74,8 +74,9 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
     for i in range(args.num_hidden_layers):
         p, q = f"model.layers.{i}.", f"layers.{i}."
         att = p + "self_attn."
-        state[q + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(att + f"{n}_proj.weight") for n in "qkv"], dim=0)
+        state[q + "self_attn.qkv_proj.weight"] = (
+            take(att + "qkv_proj.weight") if args.fused_checkpoint else
+            torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"], dim=0))
         if args.attention_bias:
             state[q + "self_attn.qkv_proj.bias"] = torch.cat(
                 [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
@@ -83,8 +84,10 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
         if args.qk_norm:
             state[q + "self_attn.q_norm.weight"] = take(att + "q_norm.weight")
             state[q + "self_attn.k_norm.weight"] = take(att + "k_norm.weight")
-        state[q + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
+        state[q + "mlp.gate_up_proj.weight"] = (
+            take(p + "mlp.gate_up_proj.weight") if args.fused_checkpoint else
+            torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")],
+                      dim=0))
         state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
         state[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         state[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")

@@ -42,6 +42,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12
@@ -136,7 +137,12 @@ def test_forced_preemption_keeps_the_tokens(family, checkpoint_models):
 @pytest.mark.parametrize("cfg, message", [
     ({"architectures": ["Gemma2ForCausalLM"]}, "architecture 'Gemma2ForCausalLM' is not "
      "supported"),
-    ({"architectures": ["Phi3ForCausalLM"]}, "architecture 'Phi3ForCausalLM'"),
+    ({"architectures": ["Gemma3ForCausalLM"]}, "architecture 'Gemma3ForCausalLM'"),
+    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "rope type 'longrope' of Phi3ForCausalLM"),
+    ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75},
+     "partial_rotary_factor=0.75"),
     ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn",
                                                               "factor": 4.0}},
      "rope type 'yarn' of LlamaForCausalLM is not supported"),
