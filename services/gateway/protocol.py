@@ -1,10 +1,12 @@
 """OpenAI request models (strict JSON types), parsed from raw bytes into GatewayError on failure.
 
-As in vLLM, fields the models do not name are accepted and ignored; fields the OpenAI API
-defines but pdserve cannot honour (`suffix`, images, ...) are refused
-with a 400 naming the field. Types are strict (`"stream": "yes"` and `"max_tokens": "ten"`
-are errors) and floats finite (`NaN`, `Infinity`, `1e999` are errors), so a malformed body is
-a 400, never a surprise later. The models are also the request schemas of /openapi.json.
+As in vLLM, fields neither the models nor vLLM's request schemas name are accepted and
+ignored; fields the OpenAI API or vLLM defines but pdserve does not implement (`suffix`,
+`use_beam_search`, images, ...) are refused with a 400 naming the field when set to anything
+but a value with no effect (`NOT_IMPLEMENTED`). Types are strict (`"stream": "yes"` and
+`"max_tokens": "ten"` are errors) and floats finite (`NaN`, `Infinity`, `1e999` are
+errors), so a malformed body is a 400, never a surprise later. The models are also the
+request schemas of /openapi.json.
 """
 
 from __future__ import annotations
@@ -73,7 +75,12 @@ class SamplingRequest(OpenAIBaseModel):
     """vLLM's: the logprobs of every prompt token, with this many alternatives
     (services/gateway/prompt_logprobs.py)."""
     truncate_prompt_tokens: int | None = None
-    """vLLM's: keep the prompt's last N tokens (-1: max_model_len) before the length check."""
+    """vLLM's: keep N prompt tokens (-1: max_model_len) before the length check."""
+    truncation_side: Literal["left", "right"] | None = None
+    """vLLM's: which end truncate_prompt_tokens cuts; "left" (the default) keeps the last N
+    tokens, "right" the first N."""
+    request_id: str | None = None
+    """vLLM's: the response's id is built from it (an X-Request-Id header wins, as in vLLM)."""
     priority: int = 0
     """vLLM's: lower is served first; only with the engines' --scheduling-policy priority."""
     response_format: dict | None = None
@@ -84,9 +91,7 @@ class SamplingRequest(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    """Accepted and ignored (the one backend is xgrammar), as vLLM's older field."""
-    guided_whitespace_pattern: str | None = None
-    """Accepted and ignored."""
+    """vLLM's older field: only "xgrammar" (the one backend) or "auto"; others are refused."""
 
     @property
     def stop_list(self) -> list[str]:
@@ -232,8 +237,56 @@ def parse_request(model_cls: type[_M], body: bytes) -> _M:
         raise GatewayError(f"Invalid value for '{path}': {err['msg']}", 400, loc[0]) from None
 
 
+_NO_EFFECT = (None,)
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    # vLLM's sampling fields
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
+    "watermarking": (None, False), "logprob_token_ids": _NO_EFFECT,
+    "spaces_between_special_tokens": (None, True), "repetition_detection": _NO_EFFECT,
+    "thinking_token_budget": (None, -1),
+    # vLLM's extra fields
+    "prompt_embeds": _NO_EFFECT, "session_id": _NO_EFFECT,
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "routed_experts_prompt_start": (None, 0), "kv_transfer_params": _NO_EFFECT,
+    "ec_transfer_params": _NO_EFFECT, "vllm_xargs": _NO_EFFECT, "stream_interval": _NO_EFFECT,
+    "guided_whitespace_pattern": _NO_EFFECT,
+}
+"""vLLM request fields (vLLM's completion and chat schemas) pdserve does not implement, with
+the values that have no effect (their defaults): anything else is a 400 naming the field."""
+CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
+    "echo": (None, False), "documents": _NO_EFFECT, "chat_template": _NO_EFFECT,
+    "media_io_kwargs": _NO_EFFECT, "mm_processor_kwargs": _NO_EFFECT,
+    "reasoning_effort": _NO_EFFECT, "include_reasoning": (None, True),
+    "return_prompt_text": (None, False), "add_special_tokens": (None, False),
+}
+"""The same for vLLM's chat-only fields (a completion's `echo` is implemented)."""
+NO_EFFECT_IN_VLLM = ("user", "return_token_offsets", "return_mm_kwargs")
+"""Accepted with no effect, as in vLLM: OpenAI's `user` ("ignored by vLLM"), and two fields
+vLLM honours only on its /render endpoints ("ignored on regular generation endpoints")."""
+
+
+def _check_not_implemented(req: SamplingRequest) -> None:
+    table = dict(NOT_IMPLEMENTED)
+    if isinstance(req, ChatCompletionRequest):
+        table.update(CHAT_NOT_IMPLEMENTED)
+    extra = req.model_extra or {}
+    for name, no_effect in table.items():
+        value = extra.get(name)
+        if not any(value == v and type(value) is type(v) for v in no_effect):
+            raise bad_request(f"{name} is not supported by pdserve", name)
+
+
 def check_unsupported(req: SamplingRequest) -> None:
-    """Refuse the OpenAI fields pdserve does not implement, naming them."""
+    """Refuse the OpenAI and vLLM fields pdserve does not implement, naming them
+    (`NOT_IMPLEMENTED`, `CHAT_NOT_IMPLEMENTED`).
+
+    Raises:
+        GatewayError: 400 naming the first such field set to a value with an effect.
+    """
+    _check_not_implemented(req)
+    if req.guided_decoding_backend not in (None, "xgrammar", "auto"):
+        raise bad_request("guided_decoding_backend: the one backend is xgrammar",
+                          "guided_decoding_backend")
     if isinstance(req, CompletionRequest) and req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -87,9 +87,10 @@ def check_limits(req: SamplingRequest, config: GatewayConfig) -> None:
 
 
 def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
-                    max_model_len: int) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: keep the prompt's last N tokens (left truncation),
-    before the context-length check; -1 means N = max_model_len; None keeps everything.
+                    max_model_len: int, truncation_side: str | None = None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep N prompt tokens before the context-length check,
+    the last N (`truncation_side` "left", the default) or the first N ("right"); -1 means
+    N = max_model_len; None keeps everything.
 
     Raises:
         GatewayError: 400 naming truncate_prompt_tokens when N < -1 or N > max_model_len.
@@ -106,7 +107,9 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
         raise bad_request(f"truncate_prompt_tokens value ({n}) is greater than max_model_len "
                           f"({max_model_len}). Please, select a smaller truncation size.",
                           "truncate_prompt_tokens")
-    return token_ids[len(token_ids) - n:] if n < len(token_ids) else token_ids
+    if n >= len(token_ids):
+        return token_ids
+    return token_ids[:n] if truncation_side == "right" else token_ids[len(token_ids) - n:]
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, *,

@@ -83,6 +83,14 @@ class ChoiceRun:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def response_id(req, request: Request) -> str:
+    """The id a response is named after (vLLM's `_base_request_id`): the X-Request-Id header,
+    else the body's `request_id`, else the one the gateway minted."""
+    if req.request_id is not None and "x-request-id" not in request.headers:
+        return req.request_id
+    return request.state.request_id
+
+
 def clamp_logprob(value: float) -> float:
     return value if value >= _MIN_LOGPROB else _MIN_LOGPROB  # also maps NaN
 

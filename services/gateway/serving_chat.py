@@ -25,7 +25,13 @@ from pdserve.services.gateway.sampling import (
     tokenize_bad_words,
     truncate_prompt,
 )
-from pdserve.services.gateway.serving import ChoiceRun, OpenAIServing, PromptInput, clamp_logprob
+from pdserve.services.gateway.serving import (
+    ChoiceRun,
+    OpenAIServing,
+    PromptInput,
+    clamp_logprob,
+    response_id,
+)
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
 from pdserve.services.gateway.tenancy import request_cache_salt
 from pdserve.services.gateway.tool_parser import ToolCallStream, extract_tool_calls
@@ -92,7 +98,7 @@ class ChatServing(OpenAIServing):
             req, req.tools if tool_mode is not None else None))
         info = await self.engine.engine_info()
         prompt.token_ids = truncate_prompt(prompt.token_ids, req.truncate_prompt_tokens,
-                                           info.max_model_len)
+                                           info.max_model_len, req.truncation_side)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(len(prompt.token_ids), req.requested_max_tokens,
                                         info.max_model_len, default=None, param=param)
@@ -104,7 +110,7 @@ class ChatServing(OpenAIServing):
                                        req.bad_words, self.tokenizer.encode_prompt))
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
-        out = _ChatOutput(self, req, f"chatcmpl-{state.request_id}",
+        out = _ChatOutput(self, req, f"chatcmpl-{response_id(req, request)}",
                           tool_mode if tool_mode is not None and tool_mode.parses_calls else None)
         run = self.start([prompt], [sp], stop=req.stop_list,
                          include_stop_str_in_output=req.include_stop_str_in_output,

@@ -28,6 +28,7 @@ from pdserve.services.gateway.serving import (
     OpenAIServing,
     PromptInput,
     clamp_logprob,
+    response_id,
     static_deltas,
 )
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
@@ -82,7 +83,8 @@ class CompletionServing(OpenAIServing):
         max_model_len = (await self.engine.engine_info()).max_model_len
         if req.truncate_prompt_tokens is not None:
             prompts = [PromptInput(truncate_prompt(p.token_ids, req.truncate_prompt_tokens,
-                                                   max_model_len)) for p in prompts]
+                                                   max_model_len, req.truncation_side))
+                       for p in prompts]
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
         echo_only = req.echo and req.max_tokens == 0
         # echo + logprobs (or prompt_logprobs): the engine returns the prompt's logprobs with
@@ -101,7 +103,7 @@ class CompletionServing(OpenAIServing):
             prompt_logprobs=prompt_logprobs) for p in prompts]
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
-        out = _CompletionOutput(self, req, prompts, f"cmpl-{state.request_id}")
+        out = _CompletionOutput(self, req, prompts, f"cmpl-{response_id(req, request)}")
         if echo_only:
             run = ChoiceRun(prompts, [], static_deltas([
                 ChoiceDelta(i, "", 0, None, "length") for i in range(len(prompts) * req.n)]))
