@@ -29,6 +29,9 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 
 MAX_NUM_BAD_WORDS = 128
 """Most token sequences `bad_words` may tokenize to (vLLM's VLLM_MAX_NUM_BAD_WORDS)."""
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024
+"""Most tokens in all those sequences together (vLLM's MAX_BAD_WORDS_TOTAL_TOKENS): the
+sampler matches them against the output at every step."""
 
 
 async def tokenize_bad_words(words: list[str] | None, encode) -> list[list[int]] | None:
@@ -41,7 +44,8 @@ async def tokenize_bad_words(words: list[str] | None, encode) -> list[list[int]]
         encode: `GatewayTokenizer.encode_prompt` (text, add_special_tokens) -> token ids.
 
     Raises:
-        GatewayError: 400 naming bad_words, for an empty word or too many sequences.
+        GatewayError: 400 naming bad_words, for an empty word or too many sequences or
+            tokens.
     """
     if not words:
         return None
@@ -57,6 +61,9 @@ async def tokenize_bad_words(words: list[str] | None, encode) -> list[list[int]]
         if len(out) > MAX_NUM_BAD_WORDS:
             raise bad_request(f"bad_words tokenize to more than {MAX_NUM_BAD_WORDS} token "
                               f"sequences", "bad_words")
+        if sum(map(len, out)) > MAX_BAD_WORDS_TOTAL_TOKENS:
+            raise bad_request(f"bad_words tokenize to more than {MAX_BAD_WORDS_TOTAL_TOKENS} "
+                              f"tokens", "bad_words")
     return out
 
 
@@ -93,15 +100,15 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
     N = max_model_len; None keeps everything.
 
     Raises:
-        GatewayError: 400 naming truncate_prompt_tokens when N < -1 or N > max_model_len.
+        GatewayError: 400 naming truncate_prompt_tokens when N is 0, < -1 or > max_model_len.
     """
     n = truncate_prompt_tokens
     if n is None:
         return token_ids
     if n == -1:
         n = max_model_len
-    if n < 0:
-        raise bad_request(f"truncate_prompt_tokens must be -1 or >= 0, got {n}",
+    if n < 1:  # NOTE: 0 would leave an empty prompt
+        raise bad_request(f"truncate_prompt_tokens must be -1 or >= 1, got {n}",
                           "truncate_prompt_tokens")
     if n > max_model_len:
         raise bad_request(f"truncate_prompt_tokens value ({n}) is greater than max_model_len "

@@ -1,7 +1,8 @@
 """End-to-end: vLLM's request fields applied through the real gateway over the split (real
 prefill and decode services, SmolLM2): bad_words, allowed_token_ids, truncate_prompt_tokens,
-prompt_logprobs (issue 36). Greedy throughout, so each field's effect is a fixed, checkable
-answer; prompt logprobs are checked against transformers' fp32 log-softmax."""
+prompt_logprobs, beam search (issue 36). Greedy throughout, so each field's effect is a
+fixed, checkable answer; prompt logprobs and beams are checked against transformers' fp32
+model."""
 
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ async def test_truncate_prompt_tokens_keeps_the_last_n(gateway, tokenizer):
 
 @pytest.mark.parametrize("field,value", [
     ("allowed_token_ids", [-1]), ("allowed_token_ids", []), ("bad_words", [""]),
-    ("truncate_prompt_tokens", 4096), ("truncate_prompt_tokens", -2), ("prompt_logprobs", -1),
+    ("truncate_prompt_tokens", 4096), ("truncate_prompt_tokens", 0), ("prompt_logprobs", -1),
     ("prompt_logprobs", 21)])
 async def test_invalid_values_are_refused_naming_the_field(gateway, field, value):
     resp = await gateway.http.post("/v1/completions", json={
@@ -146,3 +147,29 @@ async def test_prompt_logprobs_equal_transformers_fp32(model_path, tokenizer, ga
     streamed = await gateway.http.post("/v1/completions", json=dict(
         model=SERVED_MODEL, prompt=ids, max_tokens=1, prompt_logprobs=1, stream=True))
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.fp32_only  # the reference is transformers' fp32 model
+async def test_beam_search_best_beam_equals_transformers(model_path, tokenizer, gateway):
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer.encode("The three primary colors are", add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = model.generate(torch.tensor([ids]), num_beams=3, do_sample=False,
+                             max_new_tokens=8, num_return_sequences=3, length_penalty=1.0,
+                             early_stopping=False)
+    del model
+    body = await complete(gateway, ids, max_tokens=8, n=3, use_beam_search=True)
+    texts = [c["text"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert texts == [tokenizer.decode(r[len(ids):], skip_special_tokens=True) for r in ref]
+    assert len(set(texts)) == 3  # three distinct beams, best first
+    assert body["usage"]["completion_tokens"] == 24
+    assert all(c["finish_reason"] == "length" for c in body["choices"])
+    streamed = await gateway.http.post("/v1/completions", json=dict(
+        model=SERVED_MODEL, prompt=ids, max_tokens=2, n=2, use_beam_search=True, stream=True))
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    with_stop = await gateway.http.post("/v1/completions", json=dict(
+        model=SERVED_MODEL, prompt=ids, max_tokens=2, n=2, use_beam_search=True, stop=["x"]))
+    assert with_stop.status_code == 400 and with_stop.json()["error"]["param"] == "stop"

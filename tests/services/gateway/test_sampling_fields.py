@@ -7,8 +7,10 @@ import asyncio
 
 import pytest
 
+from pdserve.services.gateway.beam_search import Beam, beam_score
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.sampling import (
+    MAX_BAD_WORDS_TOTAL_TOKENS,
     MAX_NUM_BAD_WORDS,
     tokenize_bad_words,
     truncate_prompt,
@@ -43,6 +45,9 @@ def test_bad_words_limits(fast_tokenizer):
     with pytest.raises(GatewayError) as e:
         tokenize(fast_tokenizer, [f"word{i}" for i in range(MAX_NUM_BAD_WORDS)])
     assert e.value.param == "bad_words" and str(MAX_NUM_BAD_WORDS) in str(e.value)
+    with pytest.raises(GatewayError) as e:
+        tokenize(fast_tokenizer, ["one two three " * 200])
+    assert e.value.param == "bad_words" and str(MAX_BAD_WORDS_TOTAL_TOKENS) in str(e.value)
 
 
 def test_truncate_prompt_keeps_the_last_or_first_n():
@@ -53,7 +58,19 @@ def test_truncate_prompt_keeps_the_last_or_first_n():
     assert truncate_prompt(ids, 3, 8, "right") == [0, 1, 2]
     assert truncate_prompt(ids, -1, 8) == ids[2:]  # -1: max_model_len
     assert truncate_prompt(ids[:4], 6, 8) == ids[:4]
-    for bad in (-2, 9):
+    for bad in (-2, 0, 9):
         with pytest.raises(GatewayError) as e:
             truncate_prompt(ids, bad, 8)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_beam_score_is_vllms():
+    """vLLM's get_beam_search_score: cum logprob / len ** length_penalty, the length counting
+    the prompt and not a final EOS; a longer beam wins under a larger length_penalty."""
+    eos = 2
+    short = Beam([7, 8, 9, eos], -2.0)  # 3 tokens counted
+    long = Beam([7, 8, 9, 10, 11, 12], -3.0)
+    assert beam_score(short, eos, 1.0) == pytest.approx(-2.0 / 3)
+    assert beam_score(long, eos, 1.0) == pytest.approx(-0.5)
+    assert beam_score(short, eos, 0.0) > beam_score(long, eos, 0.0)  # raw cum logprob
+    assert beam_score(short, eos, 2.0) < beam_score(long, eos, 2.0)

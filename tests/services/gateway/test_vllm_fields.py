@@ -65,6 +65,7 @@ COMPANIONS = {"stream_options": {"stream": True}, "truncation_side": {"truncate_
               "continue_final_message": {"add_generation_prompt": False, "messages": [
                   {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]}}
 """Fields that only act together with another."""
+COMPLETION_COMPANIONS = {"length_penalty": {"use_beam_search": True, "n": 2}}
 
 
 def _sp(gw):
@@ -129,6 +130,10 @@ PROVED_BY = {
     "continue_final_message": "tests/services/gateway/test_chat_encoding.py::"
                               "test_continue_final_message_matches",
     "chat_template_kwargs": "tests/services/gateway/test_fuzz.py",
+    "use_beam_search": "tests/e2e/test_vllm_sampling.py::"
+                       "test_beam_search_best_beam_equals_transformers",
+    "length_penalty": "tests/services/gateway/test_sampling_fields.py::"
+                      "test_beam_score_is_vllms",
 }
 """Applied, proved by these tests (the engine-side effect of each sampling field above is
 proved in tests/shared/engine/test_sampler*.py and tests/e2e/test_vllm_sampling.py)."""
@@ -158,7 +163,10 @@ async def test_every_vllm_field_is_applied_or_refused(make_gateway, path, fields
                     and f not in CHECKED_HERE and f not in PROVED_BY]
     assert not unclassified
     for field, value in fields.items():
-        body = {**base, **COMPANIONS.get(field, {}), field: value}
+        companions = COMPANIONS.get(field, {})
+        if path == COMPLETIONS:
+            companions = COMPLETION_COMPANIONS.get(field, companions)
+        body = {**base, **companions, field: value}
         r = await gateway.http.post(path, json=body)
         if field in refused:
             assert r.status_code == 400, (field, r.text)
