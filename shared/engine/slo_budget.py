@@ -22,10 +22,11 @@ Early rejection (Mooncake, FAST '25: reject at arrival a request the predicted l
 miss its SLO, rather than serve it late and slow everyone else): with a TTFT target,
 `PrefillBudget.predict_ttft_s` estimates a new prompt's first token from the prompt tokens
 queued ahead of it (in the scheduler's admission order), its own uncached tokens and the
-fastest cost per token of the engine's recent prompt steps. It ignores the decode steps interleaved meanwhile, so it is a lower
-bound: a prompt predicted to miss will miss. `EngineCore` counts such prompts and, with
-`--slo-early-reject`, refuses them (`TTFTUnreachableError`: RESOURCE_EXHAUSTED between
-services, 429 with Retry-After at the gateway).
+fastest cost per token of the engine's recent prompt steps. It ignores the decode steps
+interleaved meanwhile, so it is a lower bound: a prompt predicted to miss will miss.
+`EngineCore` counts such prompts and, with `--slo-early-reject`, refuses them
+(`TTFTUnreachableError`: RESOURCE_EXHAUSTED between services, 429 with Retry-After at the
+gateway).
 
 Cost model (`PrefillBudget.observe`): exponential moving averages, over this engine's own
 steps, of the decode-only step time and of the seconds per prompt token of steps that carried

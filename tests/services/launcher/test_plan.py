@@ -4,7 +4,6 @@ real `pdserve serve` parsers accept with the values the launcher meant."""
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import shlex
 
