@@ -50,9 +50,11 @@ def check_beam_search(req: CompletionRequest, max_logprobs: int) -> None:
     """
     if req.stream:
         raise bad_request("use_beam_search does not stream; set stream to false", "stream")
+    # NOTE: fields the model does not name are check_unsupported's (vLLM's) or ignored.
     for name in sorted(req.model_fields_set - _WITH_BEAM_SEARCH):
         info = CompletionRequest.model_fields.get(name)
-        if info is None or getattr(req, name) != info.get_default(call_default_factory=True):
+        if info is not None and getattr(req, name) != info.get_default(
+                call_default_factory=True):
             raise bad_request(f"{name} is not supported with use_beam_search", name)
     if 2 * req.n > max_logprobs:
         raise bad_request(f"use_beam_search: n must be at most {max_logprobs // 2}", "n")
