@@ -25,7 +25,8 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, bloc
     """Raise ValueError, naming the field, when the engine cannot serve `request` (the one
     request validator: `EngineCore.add_request` runs it).
 
-    Causes: an empty prompt; a token id (prompt or output) outside [0, vocab_size); a
+    Causes: an empty prompt; a token id (prompt, output, allowed_token_ids or
+    bad_words_token_ids) outside [0, vocab_size); a
     prompt or sequence that leaves no room for a generated token under max_model_len;
     output tokens that already reach max_tokens; no token left to compute; a request whose
     longest possible sequence cannot fit in the whole KV pool of `num_gpu_blocks` blocks
@@ -35,8 +36,12 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, bloc
     if num_prompt == 0:
         raise ValueError(f"prompt_token_ids must not be empty (request {rid!r} has an empty "
                          "prompt)")
+    sp = request.sampling_params
     for field, ids in (("prompt_token_ids", request.prompt_token_ids),
-                       ("output_token_ids", request.output_token_ids)):
+                       ("output_token_ids", request.output_token_ids),
+                       ("allowed_token_ids", sp.allowed_token_ids or ()),
+                       ("bad_words_token_ids",
+                        [t for word in sp.bad_words_token_ids or () for t in word])):
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"{field}: token id {bad!r} is outside the vocabulary "

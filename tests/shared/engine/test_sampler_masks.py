@@ -91,3 +91,15 @@ def test_fields_are_validated_and_bad_words_never_speculate():
         SamplingParams(bad_words_token_ids=[[]])
     assert not can_speculate(make_request("x", bad_words_token_ids=[[1, 2]]))
     assert can_speculate(make_request("y", allowed_token_ids=[1, 2]))
+
+
+def test_the_engine_refuses_ids_outside_the_vocabulary():
+    from pdserve.shared.engine.scheduling_policy import validate_request
+
+    validate_request(make_request("ok", allowed_token_ids=[VOCAB - 1],
+                                  bad_words_token_ids=[[1, VOCAB - 1]]), VOCAB, 100, 16, 64)
+    with pytest.raises(ValueError, match=rf"^allowed_token_ids: token id {VOCAB} "):
+        validate_request(make_request("a", allowed_token_ids=[1, VOCAB]), VOCAB, 100, 16, 64)
+    with pytest.raises(ValueError, match=rf"^bad_words_token_ids: token id {VOCAB} "):
+        validate_request(make_request("b", bad_words_token_ids=[[1, VOCAB]]), VOCAB, 100, 16,
+                         64)
