@@ -160,6 +160,9 @@ class _CompletionOutput:
         # OpenAI's text_offset counts from the start of the prompt (with echo, the prompt's
         # own tokens come first, from offset 0).
         self.echo_logprobs = bool(req.echo) and req.logprobs is not None
+        # vLLM's: prompt_logprobs, else echo's logprobs (echo computes them) in the response.
+        self.num_prompt_logprobs = req.prompt_logprobs if req.prompt_logprobs is not None \
+            else req.logprobs if self.echo_logprobs else None
         self.offsets = {i: len(serving.prompt_text(prompts[i // req.n]))
                         if req.logprobs is not None and not self.echo_logprobs else 0
                         for i in range(len(prompts) * req.n)}
@@ -176,10 +179,10 @@ class _CompletionOutput:
                     "index": d.index, "text": self._echo(d.index),
                     "logprobs": self._prompt_logprobs(d) if d.logprobs is not None else None,
                     "finish_reason": None, "stop_reason": None}
-                if self.req.prompt_logprobs is not None:
+                if self.num_prompt_logprobs is not None:
                     c["prompt_logprobs"] = prompt_logprobs_json(
                         self.prompts[d.index // self.n].token_ids, d.prompt_logprobs or [],
-                        self.req.prompt_logprobs, self.serving.tokenizer.token_text)
+                        self.num_prompt_logprobs, self.serving.tokenizer.token_text)
             c["text"] += d.text
             if d.logprobs is not None:
                 self._add_logprobs(c["logprobs"], d.logprobs, d.index)

@@ -144,6 +144,8 @@ async def test_prompt_logprobs_equal_transformers_fp32(model_path, tokenizer, ga
     assert chat.status_code == 200, chat.text
     assert_prompt_logprobs(chat.json()["prompt_logprobs"], chat_ids, chat_ref, 0)
     assert "prompt_logprobs" not in (await complete(gateway, ids, max_tokens=1))["choices"][0]
+    echoed = await complete(gateway, ids, max_tokens=1, echo=True, logprobs=2)
+    assert_prompt_logprobs(echoed["choices"][0]["prompt_logprobs"], ids, ref, 2)  # as vLLM
     streamed = await gateway.http.post("/v1/completions", json=dict(
         model=SERVED_MODEL, prompt=ids, max_tokens=1, prompt_logprobs=1, stream=True))
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
