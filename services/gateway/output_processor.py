@@ -11,7 +11,7 @@ release what they held. The stop token itself is not detokenized unless
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from pdserve.services.gateway.errors import GatewayError
@@ -52,6 +52,8 @@ class ChoiceDelta:
     prompt_logprobs: list[TokenLogprob] | None = None
     """First delta only, when the engine returned them: one per prompt token after the
     first (echo with logprobs, or prompt_logprobs)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The ids of the `num_tokens` tokens (vLLM's `return_token_ids`)."""
 
 
 class ChoiceProcessor:
@@ -94,6 +96,7 @@ class ChoiceProcessor:
         for j, token_id in enumerate(out.token_ids):
             self.num_output_tokens += 1
             delta.num_tokens += 1
+            delta.token_ids.append(token_id)
             if delta.logprobs is not None and j < len(out.logprobs):
                 delta.logprobs.append(_token_logprob(out.logprobs[j], token_id))
             if j == last and engine_finish == "stop" and not self._include_stop:

@@ -81,6 +81,8 @@ class SamplingRequest(OpenAIBaseModel):
     tokens, "right" the first N."""
     request_id: str | None = None
     """vLLM's: the response's id is built from it (an X-Request-Id header wins, as in vLLM)."""
+    return_token_ids: bool | None = None
+    """vLLM's: the response carries `prompt_token_ids` and each choice's `token_ids`."""
     priority: int = 0
     """vLLM's: lower is served first; only with the engines' --scheduling-policy priority."""
     response_format: dict | None = None
@@ -249,7 +251,7 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "thinking_token_budget": (None, -1),
     # vLLM's extra fields
     "prompt_embeds": _NO_EFFECT, "session_id": _NO_EFFECT,
-    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "return_tokens_as_token_ids": (None, False),
     "routed_experts_prompt_start": (None, 0), "kv_transfer_params": _NO_EFFECT,
     "ec_transfer_params": _NO_EFFECT, "vllm_xargs": _NO_EFFECT, "stream_interval": _NO_EFFECT,
     "guided_whitespace_pattern": _NO_EFFECT,

@@ -151,6 +151,8 @@ class _ChatOutput:
                 "logprobs": {"content": []} if d.logprobs is not None else None,
                 "finish_reason": None, "stop_reason": None})
             c["message"]["content"] += d.text
+            if self.req.return_token_ids:
+                c.setdefault("token_ids", []).extend(d.token_ids)
             if d.logprobs is not None:
                 c["logprobs"]["content"] += self.serving.logprobs_content(d.logprobs)
             if d.finish_reason is not None:
@@ -165,6 +167,8 @@ class _ChatOutput:
                         c["finish_reason"] = "tool_calls"
         out = {**self.meta, "object": "chat.completion",
                "choices": [choices[i] for i in sorted(choices)], "usage": run.usage()}
+        if self.req.return_token_ids:
+            out["prompt_token_ids"] = run.prompts[0].token_ids
         if self.req.prompt_logprobs is not None:  # vLLM's: one list, for the one prompt
             first = next(d for d in deltas if d.index == 0)
             out["prompt_logprobs"] = prompt_logprobs_json(
@@ -176,9 +180,11 @@ class _ChatOutput:
                             ) -> AsyncIterator[dict]:
         """A role chunk per choice, then one chunk per delta that carries anything."""
         for i in range(len(run.processors)):
+            prompt_ids = {"prompt_token_ids": run.prompts[0].token_ids} \
+                if self.req.return_token_ids and i == 0 else {}  # vLLM's: first chunk only
             yield {**self.chunk_meta, "choices": [{
                 "index": i, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}], **self.usage_key}
+                "logprobs": None, "finish_reason": None}], **prompt_ids, **self.usage_key}
         parsers: dict[int, ToolCallStream] = {}
         delta = first
         while delta is not None:
@@ -191,7 +197,9 @@ class _ChatOutput:
                     pieces += parser.finish()
                     if finish == "stop" and parser.num_calls:
                         finish = "tool_calls"
-            if not pieces and (delta.logprobs or finish is not None):
+            token_ids = self.req.return_token_ids
+            if not pieces and (delta.logprobs or finish is not None
+                               or (token_ids and delta.token_ids)):
                 pieces = [{}]
             for j, piece in enumerate(pieces):
                 choice = {"index": delta.index, "delta": piece,
@@ -200,5 +208,7 @@ class _ChatOutput:
                           "finish_reason": finish if j == len(pieces) - 1 else None}
                 if choice["finish_reason"] is not None:
                     choice["stop_reason"] = delta.stop_reason
+                if token_ids:
+                    choice["token_ids"] = [] if j else delta.token_ids
                 yield {**self.chunk_meta, "choices": [choice], **self.usage_key}
             delta = await anext(run.deltas, None)

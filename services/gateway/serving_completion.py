@@ -183,7 +183,12 @@ class _CompletionOutput:
                     c["prompt_logprobs"] = prompt_logprobs_json(
                         self.prompts[d.index // self.n].token_ids, d.prompt_logprobs or [],
                         self.num_prompt_logprobs, self.serving.tokenizer.token_text)
+                if self.req.return_token_ids:
+                    c["prompt_token_ids"] = self.prompts[d.index // self.n].token_ids
+                    c["token_ids"] = []
             c["text"] += d.text
+            if self.req.return_token_ids:
+                c["token_ids"] += d.token_ids
             if d.logprobs is not None:
                 self._add_logprobs(c["logprobs"], d.logprobs, d.index)
             if d.finish_reason is not None:
@@ -201,14 +206,20 @@ class _CompletionOutput:
             if first_of_choice:
                 echoed.add(delta.index)
                 text = self._echo(delta.index) + text
-            if text or delta.logprobs or delta.finish_reason is not None:
+            token_ids = self.req.return_token_ids
+            if text or delta.logprobs or delta.finish_reason is not None or (
+                    token_ids and delta.token_ids):
                 lps = None if delta.logprobs is None else self._add_logprobs(
                     self._prompt_logprobs(delta) if first_of_choice else _new_logprobs(),
                     delta.logprobs, delta.index)
-                yield {**self.meta, "choices": [{
-                    "index": delta.index, "text": text, "logprobs": lps,
-                    "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}],
-                    **self.usage_key}
+                choice = {"index": delta.index, "text": text, "logprobs": lps,
+                          "finish_reason": delta.finish_reason,
+                          "stop_reason": delta.stop_reason}
+                if token_ids:  # vLLM's: the prompt's ids in each choice's first chunk
+                    if first_of_choice:
+                        choice["prompt_token_ids"] = self.prompts[delta.index // self.n].token_ids
+                    choice["token_ids"] = delta.token_ids
+                yield {**self.meta, "choices": [choice], **self.usage_key}
             delta = await anext(run.deltas, None)
 
     def _prompt_logprobs(self, first: ChoiceDelta) -> dict:

@@ -19,7 +19,7 @@ from pdserve.services.gateway.protocol import (
     NOT_IMPLEMENTED,
 )
 from tests.services.gateway.conftest import SERVED_MODEL
-from tests.services.gateway.helpers import CHAT, COMPLETIONS
+from tests.services.gateway.helpers import CHAT, COMPLETIONS, chat_body, completion_body, stream
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -72,6 +72,13 @@ def _sp(gw):
     return gw.prefill.rec.requests[-1].sampling_params
 
 
+def _token_ids_returned(gw, body: dict) -> bool:
+    choice = body["choices"][0]
+    prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
+    return (prompt_ids == list(gw.prefill.rec.requests[-1].prompt_token_ids)
+            and len(choice["token_ids"]) == body["usage"]["completion_tokens"] > 0)
+
+
 def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6)
 
@@ -110,6 +117,7 @@ CHECKED_HERE = {
     "logprobs": lambda gw, r: r.json()["choices"][0]["logprobs"] is not None,
     "top_logprobs": lambda gw, r: _sp(gw).logprobs == 2,
     "echo": lambda gw, r: r.json()["choices"][0]["text"].startswith("Hello there, world"),
+    "return_token_ids": lambda gw, r: _token_ids_returned(gw, r.json()),
 }
 """Applied, checked on the engine's SamplingParams / prompt or on the response."""
 PROVED_BY = {
@@ -193,3 +201,29 @@ async def test_no_effect_values_of_unimplemented_fields_pass(gateway):
     assert r.status_code == 200, r.text
     r = await gateway.http.post(COMPLETIONS, json={**body, "use_beam_search": 1})
     assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("path,body", [
+    (COMPLETIONS, completion_body("Hello there", max_tokens=6, n=2, seed=3, return_token_ids=True)),
+    (CHAT, chat_body("Hello there", max_tokens=6, n=2, seed=3, return_token_ids=True))])
+async def test_return_token_ids_streamed_and_not(gateway, fast_tokenizer, path, body):
+    """vLLM's shape: each choice's token_ids (deltas when streamed) and the prompt's ids
+    (per choice on completions, per response on chat; the first chunk when streamed)."""
+    whole = (await gateway.http.post(path, json=body)).json()
+    prompt_ids = list(gateway.prefill.rec.requests[-1].prompt_token_ids)
+    chunks = await stream(gateway.http, path, body)
+    for i in range(2):
+        choice = whole["choices"][i]
+        text = choice["text"] if path == COMPLETIONS else choice["message"]["content"]
+        assert fast_tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == text
+        streamed = [t for c in chunks for ch in c["choices"] if ch["index"] == i
+                    for t in ch.get("token_ids", [])]
+        assert streamed == choice["token_ids"]
+        if path == COMPLETIONS:
+            assert choice["prompt_token_ids"] == prompt_ids
+            first = next(ch for c in chunks for ch in c["choices"] if ch["index"] == i)
+            assert first["prompt_token_ids"] == prompt_ids
+    if path == CHAT:
+        assert whole["prompt_token_ids"] == prompt_ids
+        assert chunks[0]["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
