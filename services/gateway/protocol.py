@@ -83,6 +83,8 @@ class SamplingRequest(OpenAIBaseModel):
     """vLLM's: the response's id is built from it (an X-Request-Id header wins, as in vLLM)."""
     return_token_ids: bool | None = None
     """vLLM's: the response carries `prompt_token_ids` and each choice's `token_ids`."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs name tokens "token_id:<id>" instead of by their text."""
     priority: int = 0
     """vLLM's: lower is served first; only with the engines' --scheduling-policy priority."""
     response_format: dict | None = None
@@ -251,7 +253,6 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "thinking_token_budget": (None, -1),
     # vLLM's extra fields
     "prompt_embeds": _NO_EFFECT, "session_id": _NO_EFFECT,
-    "return_tokens_as_token_ids": (None, False),
     "routed_experts_prompt_start": (None, 0), "kv_transfer_params": _NO_EFFECT,
     "ec_transfer_params": _NO_EFFECT, "vllm_xargs": _NO_EFFECT, "stream_interval": _NO_EFFECT,
     "guided_whitespace_pattern": _NO_EFFECT,

@@ -91,6 +91,12 @@ def response_id(req, request: Request) -> str:
     return request.state.request_id
 
 
+def token_label(tokenizer: GatewayTokenizer, token_id: int, as_token_id: bool) -> str:
+    """A token as logprobs show it: its text, or "token_id:<id>" (vLLM's
+    return_tokens_as_token_ids, for tokens whose text is not valid UTF-8 on its own)."""
+    return f"token_id:{token_id}" if as_token_id else tokenizer.token_text(token_id)
+
+
 def clamp_logprob(value: float) -> float:
     return value if value >= _MIN_LOGPROB else _MIN_LOGPROB  # also maps NaN
 

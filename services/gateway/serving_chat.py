@@ -31,6 +31,7 @@ from pdserve.services.gateway.serving import (
     PromptInput,
     clamp_logprob,
     response_id,
+    token_label,
 )
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
 from pdserve.services.gateway.tenancy import request_cache_salt
@@ -120,14 +121,17 @@ class ChatServing(OpenAIServing):
         return await self.respond(request, run, bool(req.stream), out.build_response,
                                   out.stream_chunks, req.include_usage, out.chunk_meta)
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        token = self.tokenizer.token_text(token_id)
+    def _entry(self, token_id: int, logprob: float, as_token_ids: bool) -> dict:
+        token = token_label(self.tokenizer, token_id, as_token_ids)
         return {"token": token, "logprob": clamp_logprob(logprob),
                 "bytes": list(token.encode("utf-8"))}
 
-    def logprobs_content(self, logprobs: list[TokenLogprob]) -> list[dict]:
-        return [{**self._entry(lp.token_id, lp.logprob),
-                 "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]
+    def logprobs_content(self, logprobs: list[TokenLogprob], as_token_ids: bool = False
+                         ) -> list[dict]:
+        """`as_token_ids`: vLLM's return_tokens_as_token_ids ("token_id:<id>" tokens)."""
+        return [{**self._entry(lp.token_id, lp.logprob, as_token_ids),
+                 "top_logprobs": [self._entry(t, v, as_token_ids) for t, v in lp.top]}
+                for lp in logprobs]
 
 
 class _ChatOutput:
@@ -154,7 +158,8 @@ class _ChatOutput:
             if self.req.return_token_ids:
                 c.setdefault("token_ids", []).extend(d.token_ids)
             if d.logprobs is not None:
-                c["logprobs"]["content"] += self.serving.logprobs_content(d.logprobs)
+                c["logprobs"]["content"] += self.serving.logprobs_content(
+                    d.logprobs, bool(self.req.return_tokens_as_token_ids))
             if d.finish_reason is not None:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
         if self.tool_mode is not None:
@@ -204,7 +209,8 @@ class _ChatOutput:
             for j, piece in enumerate(pieces):
                 choice = {"index": delta.index, "delta": piece,
                           "logprobs": None if delta.logprobs is None or j else {
-                              "content": self.serving.logprobs_content(delta.logprobs)},
+                              "content": self.serving.logprobs_content(
+                                  delta.logprobs, bool(self.req.return_tokens_as_token_ids))},
                           "finish_reason": finish if j == len(pieces) - 1 else None}
                 if choice["finish_reason"] is not None:
                     choice["stop_reason"] = delta.stop_reason

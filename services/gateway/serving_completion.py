@@ -35,6 +35,7 @@ from pdserve.services.gateway.serving import (
     clamp_logprob,
     response_id,
     static_deltas,
+    token_label,
 )
 from pdserve.services.gateway.streams import run_until_disconnect
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
@@ -167,6 +168,10 @@ class _CompletionOutput:
                         if req.logprobs is not None and not self.echo_logprobs else 0
                         for i in range(len(prompts) * req.n)}
 
+    def token_text(self, token_id: int) -> str:
+        return token_label(self.serving.tokenizer, token_id,
+                           bool(self.req.return_tokens_as_token_ids))
+
     def _echo(self, index: int) -> str:
         return self.serving.prompt_text(self.prompts[index // self.n]) if self.req.echo else ""
 
@@ -236,7 +241,7 @@ class _CompletionOutput:
         if len(first.prompt_logprobs or ()) != len(prompt) - 1:
             raise GatewayError(f"the engine returned {len(first.prompt_logprobs or ())} prompt "
                                f"logprobs for a {len(prompt)}-token prompt", 503)
-        token = self.serving.tokenizer.token_text(prompt[0])
+        token = self.token_text(prompt[0])
         out["tokens"].append(token)
         out["token_logprobs"].append(None)
         out["top_logprobs"].append(None)
@@ -245,7 +250,7 @@ class _CompletionOutput:
         return self._add_logprobs(out, first.prompt_logprobs or [], first.index)
 
     def _add_logprobs(self, out: dict, logprobs: list[TokenLogprob], index: int) -> dict:
-        token_text = self.serving.tokenizer.token_text
+        token_text = self.token_text
         for lp in logprobs:
             token = token_text(lp.token_id)
             top = {token_text(t): clamp_logprob(v) for t, v in lp.top[:self.req.logprobs]}

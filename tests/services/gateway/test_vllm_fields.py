@@ -59,13 +59,16 @@ CHAT_FIELDS = {**COMMON, "messages": [{"role": "user", "content": "Hello there"}
                "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"a": 1},
                "return_prompt_text": True}
 """vLLM's ChatCompletionRequest, every field, with a value other than its default."""
-COMPANIONS = {"stream_options": {"stream": True}, "truncation_side": {"truncate_prompt_tokens": 2},
+COMPANIONS = {"stream_options": {"stream": True},
+              "return_tokens_as_token_ids": {"logprobs": True, "top_logprobs": 2},
+              "truncation_side": {"truncate_prompt_tokens": 2},
               "top_logprobs": {"logprobs": True}, "tool_choice": {"tools": CHAT_FIELDS["tools"]},
               "parallel_tool_calls": {"tools": CHAT_FIELDS["tools"]},
               "continue_final_message": {"add_generation_prompt": False, "messages": [
                   {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]}}
 """Fields that only act together with another."""
-COMPLETION_COMPANIONS = {"length_penalty": {"use_beam_search": True, "n": 2}}
+COMPLETION_COMPANIONS = {"length_penalty": {"use_beam_search": True, "n": 2},
+                         "return_tokens_as_token_ids": {"logprobs": 2}}
 
 
 def _sp(gw):
@@ -77,6 +80,16 @@ def _token_ids_returned(gw, body: dict) -> bool:
     prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
     return (prompt_ids == list(gw.prefill.rec.requests[-1].prompt_token_ids)
             and len(choice["token_ids"]) == body["usage"]["completion_tokens"] > 0)
+
+
+def _tokens_as_ids(body: dict) -> bool:
+    """Every logprob token (and alternative) reads "token_id:<id>"."""
+    lps = body["choices"][0]["logprobs"]
+    if "content" in lps:  # chat
+        tokens = [e["token"] for c in lps["content"] for e in [c, *c["top_logprobs"]]]
+    else:
+        tokens = lps["tokens"] + [t for top in lps["top_logprobs"] for t in top]
+    return bool(tokens) and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens)
 
 
 def _close(a: float, b: float) -> bool:
@@ -118,6 +131,7 @@ CHECKED_HERE = {
     "top_logprobs": lambda gw, r: _sp(gw).logprobs == 2,
     "echo": lambda gw, r: r.json()["choices"][0]["text"].startswith("Hello there, world"),
     "return_token_ids": lambda gw, r: _token_ids_returned(gw, r.json()),
+    "return_tokens_as_token_ids": lambda gw, r: _tokens_as_ids(r.json()),
 }
 """Applied, checked on the engine's SamplingParams / prompt or on the response."""
 PROVED_BY = {
