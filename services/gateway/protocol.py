@@ -194,6 +194,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     """False: tool_choice "required" makes exactly one call (default: one or more)."""
+    echo: bool = False
+    """vLLM's: the answer starts with the last message's content when it has the answer's
+    role (e.g. with continue_final_message)."""
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -260,14 +263,14 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 """vLLM request fields (vLLM's completion and chat schemas) pdserve does not implement, with
 the values that have no effect (their defaults): anything else is a 400 naming the field."""
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1), "echo": (None, False),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
     "documents": _NO_EFFECT, "chat_template": _NO_EFFECT,
     "media_io_kwargs": _NO_EFFECT, "mm_processor_kwargs": _NO_EFFECT,
     "reasoning_effort": _NO_EFFECT, "include_reasoning": (None, True),
     "return_prompt_text": (None, False), "add_special_tokens": (None, False),
 }
-"""The same for vLLM's chat fields that completions implement (echo, beam search) or that
-only chat has."""
+"""The same for vLLM's chat fields that completions implement (beam search) or that only
+chat has."""
 NO_EFFECT_IN_VLLM = ("user", "return_token_offsets", "return_mm_kwargs")
 """Accepted with no effect, as in vLLM: OpenAI's `user` ("ignored by vLLM"), and two fields
 vLLM honours only on its /render endpoints ("ignored on regular generation endpoints")."""

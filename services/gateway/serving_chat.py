@@ -146,6 +146,12 @@ class _ChatOutput:
                      "model": serving.config.served_model_name}
         self.chunk_meta = {**self.meta, "object": "chat.completion.chunk"}
         self.usage_key = {"usage": None} if req.include_usage else {}
+        # vLLM's chat echo: the answer starts with the last message's content when that
+        # message has the answer's role (assistant, or the last role without a generation
+        # prompt), as with continue_final_message.
+        last = req.messages[-1]
+        role = "assistant" if req.add_generation_prompt else last.role
+        self.echo_text = last.text() if req.echo and last.role == role else ""
 
     def build_response(self, run: ChoiceRun, deltas: list[ChoiceDelta]) -> dict:
         choices: dict[int, dict] = {}
@@ -170,6 +176,9 @@ class _ChatOutput:
                                     "tool_calls": [call.to_dict() for call in calls]}
                     if c["finish_reason"] == "stop":
                         c["finish_reason"] = "tool_calls"
+        if self.echo_text:
+            for c in choices.values():
+                c["message"]["content"] = self.echo_text + (c["message"]["content"] or "")
         out = {**self.meta, "object": "chat.completion",
                "choices": [choices[i] for i in sorted(choices)], "usage": run.usage()}
         if self.req.return_token_ids:
@@ -190,6 +199,11 @@ class _ChatOutput:
             yield {**self.chunk_meta, "choices": [{
                 "index": i, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}], **prompt_ids, **self.usage_key}
+        if self.echo_text:
+            for i in range(len(run.processors)):
+                yield {**self.chunk_meta, "choices": [{
+                    "index": i, "delta": {"content": self.echo_text}, "logprobs": None,
+                    "finish_reason": None}], **self.usage_key}
         parsers: dict[int, ToolCallStream] = {}
         delta = first
         while delta is not None:

@@ -65,10 +65,13 @@ COMPANIONS = {"stream_options": {"stream": True},
               "top_logprobs": {"logprobs": True}, "tool_choice": {"tools": CHAT_FIELDS["tools"]},
               "parallel_tool_calls": {"tools": CHAT_FIELDS["tools"]},
               "continue_final_message": {"add_generation_prompt": False, "messages": [
-                  {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]}}
+                  {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]},
+              "echo": {"add_generation_prompt": False, "continue_final_message": True,
+                       "messages": [{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hel"}]}}
 """Fields that only act together with another."""
 COMPLETION_COMPANIONS = {"length_penalty": {"use_beam_search": True, "n": 2},
-                         "return_tokens_as_token_ids": {"logprobs": 2}}
+                         "return_tokens_as_token_ids": {"logprobs": 2}, "echo": {}}
 
 
 def _sp(gw):
@@ -80,6 +83,11 @@ def _token_ids_returned(gw, body: dict) -> bool:
     prompt_ids = body.get("prompt_token_ids", choice.get("prompt_token_ids"))
     return (prompt_ids == list(gw.prefill.rec.requests[-1].prompt_token_ids)
             and len(choice["token_ids"]) == body["usage"]["completion_tokens"] > 0)
+
+
+def _text(body: dict) -> str:
+    choice = body["choices"][0]
+    return choice["message"]["content"] if "message" in choice else choice["text"]
 
 
 def _tokens_as_ids(body: dict) -> bool:
@@ -129,7 +137,8 @@ CHECKED_HERE = {
     "model": lambda gw, r: r.json()["model"] == SERVED_MODEL,
     "logprobs": lambda gw, r: r.json()["choices"][0]["logprobs"] is not None,
     "top_logprobs": lambda gw, r: _sp(gw).logprobs == 2,
-    "echo": lambda gw, r: r.json()["choices"][0]["text"].startswith("Hello there, world"),
+    "echo": lambda gw, r: _text(r.json()).startswith(
+        "Hel" if "message" in r.json()["choices"][0] else "Hello there, world"),
     "return_token_ids": lambda gw, r: _token_ids_returned(gw, r.json()),
     "return_tokens_as_token_ids": lambda gw, r: _tokens_as_ids(r.json()),
 }
@@ -241,3 +250,23 @@ async def test_return_token_ids_streamed_and_not(gateway, fast_tokenizer, path, 
         assert whole["prompt_token_ids"] == prompt_ids
         assert chunks[0]["prompt_token_ids"] == prompt_ids
         assert all("prompt_token_ids" not in c for c in chunks[1:])
+
+
+async def test_chat_echo_streamed_and_not(gateway):
+    """vLLM's chat echo: the final assistant message's content starts the answer, streamed as
+    its own first content chunk; a last message of another role is not echoed."""
+    body = {"model": SERVED_MODEL, "max_tokens": 4, "seed": 1, "echo": True,
+            "add_generation_prompt": False, "continue_final_message": True,
+            "messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Well,"}]}
+    whole = (await gateway.http.post(CHAT, json=body)).json()
+    plain = (await gateway.http.post(CHAT, json={**body, "echo": False})).json()
+    content = whole["choices"][0]["message"]["content"]
+    assert content == "Well," + plain["choices"][0]["message"]["content"]
+    chunks = await stream(gateway.http, CHAT, body)
+    assert chunks[1]["choices"][0]["delta"] == {"content": "Well,"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if c["choices"]) == content
+    user_last = (await gateway.http.post(CHAT, json=chat_body(
+        "Hello", max_tokens=4, seed=1, echo=True))).json()
+    assert not user_last["choices"][0]["message"]["content"].startswith("Hello")
