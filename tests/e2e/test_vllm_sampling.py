@@ -95,6 +95,14 @@ async def test_allowed_token_ids_only_those_are_generated(gateway, tokenizer):
     texts = {tokenizer.decode([t]) for t in allowed}
     assert set(tokens) <= texts, tokens
     assert body["choices"][0]["text"] == "".join(tokens)
+    # A special token forced by allowed_token_ids: skip_special_tokens decides the text.
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert special != tokenizer.eos_token_id
+    for skip, text in ((False, "<|im_start|>" * 3), (True, "")):
+        body = await complete(gateway, FRANCE, max_tokens=3, allowed_token_ids=[special],
+                              skip_special_tokens=skip, return_token_ids=True)
+        assert body["choices"][0]["token_ids"] == [special] * 3
+        assert body["choices"][0]["text"] == text
 
 
 async def test_truncate_prompt_tokens_keeps_the_last_n(gateway, tokenizer):

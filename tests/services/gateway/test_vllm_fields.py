@@ -151,7 +151,8 @@ PROVED_BY = {
             "test_stop_string_and_markers_never_in_output",
     "include_stop_str_in_output": "tests/services/gateway/test_generation.py::"
                                   "test_include_stop_str_and_stop_token_ids",
-    "skip_special_tokens": "tests/e2e/test_structured_outputs.py",
+    "skip_special_tokens": "tests/e2e/test_vllm_sampling.py::"
+                           "test_allowed_token_ids_only_those_are_generated",
     "add_special_tokens": "tests/services/gateway/test_generation.py::test_prompt_forms",
     "tools": "tests/services/gateway/test_tools.py::test_forced_modes_carry_a_structural_tag",
     "tool_choice": "tests/services/gateway/test_tools.py::"
@@ -160,7 +161,8 @@ PROVED_BY = {
     "add_generation_prompt": "tests/services/gateway/test_chat_encoding.py",
     "continue_final_message": "tests/services/gateway/test_chat_encoding.py::"
                               "test_continue_final_message_matches",
-    "chat_template_kwargs": "tests/services/gateway/test_fuzz.py",
+    "chat_template_kwargs": "tests/services/gateway/test_vllm_fields.py::"
+                            "test_chat_template_kwargs_reach_the_template",
     "use_beam_search": "tests/e2e/test_vllm_sampling.py::"
                        "test_beam_search_best_beam_equals_transformers",
     "length_penalty": "tests/services/gateway/test_sampling_fields.py::"
@@ -270,3 +272,14 @@ async def test_chat_echo_streamed_and_not(gateway):
     user_last = (await gateway.http.post(CHAT, json=chat_body(
         "Hello", max_tokens=4, seed=1, echo=True))).json()
     assert not user_last["choices"][0]["message"]["content"].startswith("Hello")
+
+
+async def test_chat_template_kwargs_reach_the_template(make_gateway, fast_tokenizer):
+    gateway = await make_gateway(chat_template=(
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ suffix_word | default('') }}"))
+    for kwargs, tail in (({"suffix_word": " zebra"}, " zebra"), (None, "")):
+        r = await gateway.http.post(CHAT, json=chat_body(
+            "Hello", max_tokens=2, chat_template_kwargs=kwargs))
+        assert r.status_code == 200, r.text
+        prompt = list(gateway.prefill.rec.requests[-1].prompt_token_ids)
+        assert fast_tokenizer.decode(prompt) == "Hello" + tail
