@@ -157,8 +157,10 @@ PROVED_BY = {
     "tools": "tests/services/gateway/test_tools.py::test_forced_modes_carry_a_structural_tag",
     "tool_choice": "tests/services/gateway/test_tools.py::"
                    "test_forced_modes_carry_a_structural_tag",
-    "parallel_tool_calls": "tests/services/gateway/test_tools.py",
-    "add_generation_prompt": "tests/services/gateway/test_chat_encoding.py",
+    "parallel_tool_calls": "tests/services/gateway/test_tools.py::"
+                           "test_forced_modes_carry_a_structural_tag",
+    "add_generation_prompt": "tests/services/gateway/test_tools.py::"
+                             "test_the_shipped_template_renders_tools_and_nothing_else_differently",
     "continue_final_message": "tests/services/gateway/test_chat_encoding.py::"
                               "test_continue_final_message_matches",
     "chat_template_kwargs": "tests/services/gateway/test_vllm_fields.py::"
