@@ -12,7 +12,13 @@ import dataclasses
 import logging
 import sys
 
-from pdserve.services.gateway.config import add_cli_args, config_from_cli_args
+from pdserve.services.gateway.config import GatewayConfig, add_cli_args, config_from_cli_args
+
+
+def loggable(config: GatewayConfig) -> GatewayConfig:
+    """`config` as the start-up log shows it: the API key as ***, the admin keys and the
+    internal token (repr=False fields) left out."""
+    return dataclasses.replace(config, api_key="***" if config.api_key else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,8 +41,7 @@ def run(ns: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:  # a bad flag: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    shown = dataclasses.replace(config, api_key="***" if config.api_key else None)
-    logging.getLogger(__name__).info("config: %s", shown)
+    logging.getLogger(__name__).info("config: %s", loggable(config))
     app = build_app(config)
     loop = "uvloop" if sys.platform != "win32" else "asyncio"
     # NOTE: on SIGTERM uvicorn stops accepting and lets in-flight requests (streams included)

@@ -97,8 +97,9 @@ class GatewayConfig:
     """A paused stream is resumed once its client is at most this many bytes behind."""
     max_stream_pause_s: float = 60.0
     """A stream paused this long is cut (error event) and its requests aborted (0: never)."""
-    internal_token: str | None = None
-    """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services."""
+    internal_token: str | None = field(default=None, repr=False)
+    """Shared secret sent as `authorization: Bearer <token>` gRPC metadata to the services
+    (never in the config's repr: the gateway logs its config at start)."""
     # ---- vLLM OpenAI-server compatibility (README "Gateway flags")
     tokenizer: str | None = None
     """Local directory of the tokenizer (and chat template); None: `model_path`'s."""

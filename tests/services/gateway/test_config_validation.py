@@ -104,3 +104,15 @@ def test_a_tokenizer_that_is_not_there_names_the_flag(model_path, tmp_path):
     for value in ("HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path / "nope")):
         with pytest.raises(FileNotFoundError, match="^--tokenizer: "):
             _config(model_path, "--tokenizer", value)
+
+
+def test_secrets_never_reach_the_logged_config(model_path):
+    """The gateway logs its config at start (`__main__`): the internal token (which guards
+    the engines' gRPC) and the admin keys stay out of it; the API key shows as ***."""
+    from pdserve.services.gateway.__main__ import loggable
+
+    config = GatewayConfig(model_path=model_path, internal_token="tok-s3cret",
+                           admin_api_key="adm-s3cret", api_key="api-s3cret")
+    shown = str(loggable(config))
+    assert "s3cret" not in shown, shown
+    assert config.internal_token == "tok-s3cret"  # still there, only not shown
