@@ -1,4 +1,4 @@
-"""Beam search on /v1/completions (vLLM's `use_beam_search`, `n` beams, `length_penalty`).
+"""Beam search (vLLM's `use_beam_search`, `n` beams, `length_penalty`) on both endpoints.
 
 As vLLM's OpenAI server does it (`EngineClient.beam_search`), on top of ordinary requests:
 each step sends every live beam as a prompt with max_tokens 1 and logprobs 2 * n; each beam's
@@ -18,16 +18,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
 from pdserve.services.gateway.errors import bad_request
-from pdserve.services.gateway.protocol import CompletionRequest
+from pdserve.services.gateway.protocol import ChatCompletionRequest, SamplingRequest
 from pdserve.services.gateway.serving import OpenAIServing, PromptInput
+from pdserve.services.gateway.streams import run_until_disconnect
+from pdserve.services.gateway.tenancy import request_cache_salt
 from pdserve.shared.sampling_params import SamplingParams
 
 _WITH_BEAM_SEARCH = frozenset({
     "model", "prompt", "use_beam_search", "n", "best_of", "max_tokens", "temperature",
     "length_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
     "add_special_tokens", "truncate_prompt_tokens", "truncation_side", "request_id",
-    "cache_salt", "user", "stream"})
+    "cache_salt", "user", "stream", "messages", "max_completion_tokens",
+    "add_generation_prompt", "continue_final_message", "chat_template_kwargs"})
 """The request fields beam search honours (vLLM's BeamSearchParams, plus the prompt's)."""
 
 
@@ -41,7 +47,7 @@ class Beam:
     generated: list[int] = field(default_factory=list)
 
 
-def check_beam_search(req: CompletionRequest, max_logprobs: int) -> None:
+def check_beam_search(req: SamplingRequest, max_logprobs: int) -> None:
     """Refuse what beam search does not honour, naming the field.
 
     Raises:
@@ -52,7 +58,7 @@ def check_beam_search(req: CompletionRequest, max_logprobs: int) -> None:
         raise bad_request("use_beam_search does not stream; set stream to false", "stream")
     # NOTE: fields the model does not name are check_unsupported's (vLLM's) or ignored.
     for name in sorted(req.model_fields_set - _WITH_BEAM_SEARCH):
-        info = CompletionRequest.model_fields.get(name)
+        info = type(req).model_fields.get(name)
         if info is not None and getattr(req, name) != info.get_default(
                 call_default_factory=True):
             raise bad_request(f"{name} is not supported with use_beam_search", name)
@@ -68,7 +74,7 @@ def beam_score(beam: Beam, eos_token_id: int | None, length_penalty: float) -> f
     return beam.cum_logprob / (seq_len ** length_penalty)
 
 
-async def run_beam_search(serving: OpenAIServing, req: CompletionRequest, prompt: list[int],
+async def run_beam_search(serving: OpenAIServing, req: SamplingRequest, prompt: list[int],
                           max_tokens: int, *, cache_salt: str | None, engine_prefix: str,
                           request_id: str) -> list[Beam]:
     """The n best beams of `prompt`, best first (module docstring)."""
@@ -77,6 +83,7 @@ async def run_beam_search(serving: OpenAIServing, req: CompletionRequest, prompt
                                  req.temperature, max_tokens=1, logprobs=2 * width,
                                  ignore_eos=True)
     beams, finished = [Beam(list(prompt))], []
+    length_penalty = req.length_penalty  # type: ignore[attr-defined]
     for step in range(max_tokens):
         candidates = []
         for beam, logprobs in zip(beams, await _step(serving, beams, step_params, cache_salt,
@@ -96,7 +103,7 @@ async def run_beam_search(serving: OpenAIServing, req: CompletionRequest, prompt
             break
     for beam in beams:
         beam.finish_reason = "length"
-    return sorted(finished + beams, key=lambda b: beam_score(b, eos, req.length_penalty),
+    return sorted(finished + beams, key=lambda b: beam_score(b, eos, length_penalty),
                   reverse=True)[:width]
 
 
@@ -119,19 +126,40 @@ async def _step(serving: OpenAIServing, beams: list[Beam], params: SamplingParam
     return out
 
 
-def beam_response(serving: OpenAIServing, req: CompletionRequest, prompts: list[PromptInput],
-                  results: list[list[Beam]], response_id: str) -> dict:
-    """vLLM's response: one choice per beam (prompt index * n + rank), best first."""
+async def respond_beam_search(serving: OpenAIServing, req: SamplingRequest, request: Request,
+                              prompts: list[PromptInput], max_tokens: list[int],
+                              response_id: str) -> JSONResponse:
+    """Run the search of every prompt (cancelled if the client leaves) and answer in vLLM's
+    shape: one choice per beam (index = prompt index * n + rank), best first; a completion's
+    `text` or a chat `message`."""
+    check_beam_search(req, serving.config.max_logprobs)
+    state = request.state
+    salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
+
+    async def search() -> list[list[Beam]]:
+        return [await run_beam_search(
+            serving, req, p.token_ids, m, cache_salt=salt, request_id=state.request_id,
+            engine_prefix=f"{state.engine_request_prefix}-p{i}")
+            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
+
+    results = await serving._until_cut(request, run_until_disconnect(request.receive,
+                                                                     search()))
+    chat = isinstance(req, ChatCompletionRequest)
     choices, completion_tokens = [], 0
     for p, beams in enumerate(results):
         for i, beam in enumerate(beams):
             completion_tokens += len(beam.generated)
-            choices.append({"index": p * req.n + i, "text": serving.tokenizer.decode(
-                beam.generated, skip_special_tokens=req.skip_special_tokens),
-                "logprobs": None, "finish_reason": beam.finish_reason,
-                "stop_reason": beam.stop_reason})
+            text = serving.tokenizer.decode(beam.generated,
+                                            skip_special_tokens=req.skip_special_tokens)
+            output = {"message": {"role": "assistant", "content": text}} if chat else \
+                {"text": text}
+            choices.append({"index": p * req.n + i, **output, "logprobs": None,
+                            "finish_reason": beam.finish_reason,
+                            "stop_reason": beam.stop_reason})
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
-    return {"id": response_id, "object": "text_completion", "created": int(time.time()),
-            "model": serving.config.served_model_name, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return JSONResponse({
+        "id": response_id, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": serving.config.served_model_name,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}})

@@ -74,6 +74,10 @@ class SamplingRequest(OpenAIBaseModel):
     prompt_logprobs: int | None = None
     """vLLM's: the logprobs of every prompt token, with this many alternatives
     (services/gateway/prompt_logprobs.py)."""
+    use_beam_search: bool = False
+    """vLLM's: n beams instead of n samples (services/gateway/beam_search.py)."""
+    length_penalty: float = 1.0
+    """vLLM's: beams are ranked by cumulative logprob / length ** length_penalty."""
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep N prompt tokens (-1: max_model_len) before the length check."""
     truncation_side: Literal["left", "right"] | None = None
@@ -114,10 +118,6 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
-    use_beam_search: bool = False
-    """vLLM's: n beams instead of n samples (services/gateway/beam_search.py)."""
-    length_penalty: float = 1.0
-    """vLLM's: beams are ranked by cumulative logprob / length ** length_penalty."""
 
 
 class ContentPart(OpenAIBaseModel):
@@ -263,14 +263,12 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
 """vLLM request fields (vLLM's completion and chat schemas) pdserve does not implement, with
 the values that have no effect (their defaults): anything else is a 400 naming the field."""
 CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
-    "use_beam_search": (None, False), "length_penalty": (None, 1.0, 1),
     "documents": _NO_EFFECT, "chat_template": _NO_EFFECT,
     "media_io_kwargs": _NO_EFFECT, "mm_processor_kwargs": _NO_EFFECT,
     "reasoning_effort": _NO_EFFECT, "include_reasoning": (None, True),
     "return_prompt_text": (None, False), "add_special_tokens": (None, False),
 }
-"""The same for vLLM's chat fields that completions implement (beam search) or that only
-chat has."""
+"""The same for vLLM's chat-only fields."""
 NO_EFFECT_IN_VLLM = ("user", "return_token_offsets", "return_mm_kwargs")
 """Accepted with no effect, as in vLLM: OpenAI's `user` ("ignored by vLLM"), and two fields
 vLLM honours only on its /render endpoints ("ignored on regular generation endpoints")."""
@@ -295,8 +293,7 @@ def check_unsupported(req: SamplingRequest) -> None:
         GatewayError: 400 naming the first such field set to a value with an effect.
     """
     _check_not_implemented(req)
-    if isinstance(req, CompletionRequest) and req.length_penalty != 1.0 \
-            and not req.use_beam_search:
+    if req.length_penalty != 1.0 and not req.use_beam_search:
         raise bad_request("length_penalty needs use_beam_search", "length_penalty")
     if req.guided_decoding_backend not in (None, "xgrammar", "auto"):
         raise bad_request("guided_decoding_backend: the one backend is xgrammar",

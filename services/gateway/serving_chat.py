@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
+from pdserve.services.gateway.beam_search import respond_beam_search
 from pdserve.services.gateway.errors import bad_request
 from pdserve.services.gateway.output_processor import ChoiceDelta, TokenLogprob
 from pdserve.services.gateway.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_json
@@ -103,6 +104,9 @@ class ChatServing(OpenAIServing):
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(len(prompt.token_ids), req.requested_max_tokens,
                                         info.max_model_len, default=None, param=param)
+        if req.use_beam_search:  # not streamed (check_beam_search)
+            return await respond_beam_search(self, req, request, [prompt], [max_tokens],
+                                             f"chatcmpl-{response_id(req, request)}")
         sp = build_sampling_params(req, max_tokens=max_tokens,
                                    logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                    vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,

@@ -8,13 +8,9 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from pdserve.services.gateway.beam_search import (
-    beam_response,
-    check_beam_search,
-    run_beam_search,
-)
+from pdserve.services.gateway.beam_search import respond_beam_search
 from pdserve.services.gateway.errors import GatewayError, bad_request
 from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor, TokenLogprob
 from pdserve.services.gateway.prompt_logprobs import check_prompt_logprobs, prompt_logprobs_json
@@ -37,7 +33,6 @@ from pdserve.services.gateway.serving import (
     static_deltas,
     token_label,
 )
-from pdserve.services.gateway.streams import run_until_disconnect
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
 from pdserve.services.gateway.tenancy import request_cache_salt
 
@@ -92,8 +87,12 @@ class CompletionServing(OpenAIServing):
             prompts = [PromptInput(truncate_prompt(p.token_ids, req.truncate_prompt_tokens,
                                                    max_model_len, req.truncation_side))
                        for p in prompts]
-        if req.use_beam_search:
-            return await self._beam_search(req, request, prompts, max_model_len)
+        if req.use_beam_search:  # not streamed (check_beam_search)
+            return await respond_beam_search(
+                self, req, request, prompts,
+                [resolve_max_tokens(len(p.token_ids), req.max_tokens, max_model_len,
+                                    default=_DEFAULT_MAX_TOKENS) for p in prompts],
+                f"cmpl-{response_id(req, request)}")
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
         echo_only = req.echo and req.max_tokens == 0
         # echo + logprobs (or prompt_logprobs): the engine returns the prompt's logprobs with
@@ -126,27 +125,6 @@ class CompletionServing(OpenAIServing):
                 run = _prompt_only(run)
         return await self.respond(request, run, bool(req.stream), out.build_response,
                                   out.stream_chunks, req.include_usage, out.meta)
-
-
-    async def _beam_search(self, req: CompletionRequest, request: Request,
-                           prompts: list[PromptInput], max_model_len: int) -> Response:
-        """vLLM's use_beam_search (services/gateway/beam_search.py); not streamed."""
-        check_beam_search(req, self.config.max_logprobs)
-        max_tokens = [resolve_max_tokens(len(p.token_ids), req.max_tokens, max_model_len,
-                                         default=_DEFAULT_MAX_TOKENS) for p in prompts]
-        state = request.state
-        salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
-
-        async def search() -> list:
-            return [await run_beam_search(
-                self, req, p.token_ids, m, cache_salt=salt, request_id=state.request_id,
-                engine_prefix=f"{state.engine_request_prefix}-p{i}")
-                for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]
-
-        results = await self._until_cut(request, run_until_disconnect(request.receive,
-                                                                      search()))
-        return JSONResponse(beam_response(self, req, prompts, results,
-                                          f"cmpl-{response_id(req, request)}"))
 
 
 class _CompletionOutput:

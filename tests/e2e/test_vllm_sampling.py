@@ -164,19 +164,30 @@ async def test_beam_search_best_beam_equals_transformers(model_path, tokenizer, 
     from transformers import AutoModelForCausalLM
 
     ids = tokenizer.encode("The three primary colors are", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    chat_ids = (await gateway.http.post("/tokenize", json=dict(
+        model=SERVED_MODEL, messages=messages))).json()["tokens"]
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     with torch.inference_mode():
-        ref = model.generate(torch.tensor([ids]), num_beams=3, do_sample=False,
-                             max_new_tokens=8, num_return_sequences=3, length_penalty=1.0,
-                             early_stopping=False)
+        refs = [model.generate(torch.tensor([p]), num_beams=3, do_sample=False,
+                               max_new_tokens=8, num_return_sequences=3, length_penalty=1.0,
+                               early_stopping=False) for p in (ids, chat_ids)]
     del model
     body = await complete(gateway, ids, max_tokens=8, n=3, use_beam_search=True)
-    texts = [c["text"] for c in body["choices"]]
-    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
-    assert texts == [tokenizer.decode(r[len(ids):], skip_special_tokens=True) for r in ref]
-    assert len(set(texts)) == 3  # three distinct beams, best first
-    assert body["usage"]["completion_tokens"] == 24
-    assert all(c["finish_reason"] == "length" for c in body["choices"])
+    chat = (await gateway.http.post("/v1/chat/completions", timeout=120, json=dict(
+        model=SERVED_MODEL, messages=messages, max_tokens=8, n=3,
+        use_beam_search=True))).json()
+    for prompt, ref, resp, text_of in (
+            (ids, refs[0], body, lambda c: c["text"]),
+            (chat_ids, refs[1], chat, lambda c: c["message"]["content"])):
+        texts = [text_of(c) for c in resp["choices"]]
+        assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+        # every beam, best first, as transformers' (no EOS among 8-token candidates here)
+        assert texts == [tokenizer.decode(r[len(prompt):], skip_special_tokens=True)
+                         for r in ref]
+        assert len(set(texts)) == 3
+        assert resp["usage"]["completion_tokens"] == 24
+        assert all(c["finish_reason"] == "length" for c in resp["choices"])
     streamed = await gateway.http.post("/v1/completions", json=dict(
         model=SERVED_MODEL, prompt=ids, max_tokens=2, n=2, use_beam_search=True, stream=True))
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"

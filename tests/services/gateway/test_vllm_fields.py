@@ -60,6 +60,7 @@ CHAT_FIELDS = {**COMMON, "messages": [{"role": "user", "content": "Hello there"}
                "return_prompt_text": True}
 """vLLM's ChatCompletionRequest, every field, with a value other than its default."""
 COMPANIONS = {"stream_options": {"stream": True},
+              "length_penalty": {"use_beam_search": True, "n": 2},
               "return_tokens_as_token_ids": {"logprobs": True, "top_logprobs": 2},
               "truncation_side": {"truncate_prompt_tokens": 2},
               "top_logprobs": {"logprobs": True}, "tool_choice": {"tools": CHAT_FIELDS["tools"]},
@@ -70,8 +71,7 @@ COMPANIONS = {"stream_options": {"stream": True},
                        "messages": [{"role": "user", "content": "Hi"},
                                     {"role": "assistant", "content": "Hel"}]}}
 """Fields that only act together with another."""
-COMPLETION_COMPANIONS = {"length_penalty": {"use_beam_search": True, "n": 2},
-                         "return_tokens_as_token_ids": {"logprobs": 2}, "echo": {}}
+COMPLETION_COMPANIONS = {"return_tokens_as_token_ids": {"logprobs": 2}, "echo": {}}
 
 
 def _sp(gw):
