@@ -43,8 +43,11 @@ class Beam:
     """The prompt's and the generated tokens."""
     cum_logprob: float = 0.0
     finish_reason: str | None = None
+    """"stop" (EOS), "length" (max_tokens), None while live."""
     stop_reason: int | None = None
+    """The EOS id that ended it ("stop")."""
     generated: list[int] = field(default_factory=list)
+    """The tokens the answer shows (a final EOS only with include_stop_str_in_output)."""
 
 
 def check_beam_search(req: SamplingRequest, max_logprobs: int) -> None:
@@ -83,7 +86,7 @@ async def run_beam_search(serving: OpenAIServing, req: SamplingRequest, prompt: 
                                  req.temperature, max_tokens=1, logprobs=2 * width,
                                  ignore_eos=True)
     beams, finished = [Beam(list(prompt))], []
-    length_penalty = req.length_penalty  # type: ignore[attr-defined]
+    length_penalty = req.length_penalty
     for step in range(max_tokens):
         candidates = []
         for beam, logprobs in zip(beams, await _step(serving, beams, step_params, cache_salt,
