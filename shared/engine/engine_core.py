@@ -163,7 +163,10 @@ class EngineCore:
     def check_ttft_reachable(self, request: Request) -> None:
         """With a TTFT target, predict a new prompt's first token (`PrefillBudget.
         predict_ttft_s`, a lower bound); one predicted past the target is counted
-        (`num_ttft_unreachable`) and logged, and with `slo_early_reject` refused.
+        (`num_ttft_unreachable`) and logged, and with `slo_early_reject` refused when the load
+        is the cause (on an idle engine, with no wait, it would keep the target: a retry can
+        succeed). A prompt that would miss even on an idle engine is served: refusing it
+        would refuse it on every retry.
 
         Raises:
             TTFTUnreachableError: refused (nothing queued, no block held).
@@ -179,9 +182,14 @@ class EngineCore:
         if predicted is None or predicted <= budget.slo_ttft_s:
             return
         self.num_ttft_unreachable += 1
-        if not self.slo_early_reject:
+        # NOTE: refuse only a prompt that the queue ahead makes miss: one that would miss
+        # even alone (a long prompt on this hardware) would miss on every retry too.
+        alone = budget.predict_ttft_s(request, cached, (), (), self.scheduler.scheduler_config,
+                                      request.arrival_time)  # no queue, no wait
+        if not self.slo_early_reject or (alone is not None and alone > budget.slo_ttft_s):
             logger.info("[%s] predicted to miss the TTFT target: first token at %.2f s "
-                        "(target %.2f s)", request.request_id, predicted, budget.slo_ttft_s)
+                        "(target %.2f s; alone %.2f s); served", request.request_id,
+                        predicted, budget.slo_ttft_s, alone or 0.0)
             return
         self.num_ttft_rejected += 1
         self.kv_cache_manager.free(request)  # forget its memoized block hashes

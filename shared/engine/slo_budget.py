@@ -24,9 +24,11 @@ miss its SLO, rather than serve it late and slow everyone else): with a TTFT tar
 queued ahead of it (in the scheduler's admission order), its own uncached tokens and the
 fastest cost per token of the engine's recent prompt steps. It ignores the decode steps
 interleaved meanwhile, so it is a lower bound: a prompt predicted to miss will miss.
-`EngineCore` counts such prompts and, with `--slo-early-reject`, refuses them
-(`TTFTUnreachableError`: RESOURCE_EXHAUSTED between services, 429 with Retry-After at the
-gateway).
+`EngineCore` counts such prompts and, with `--slo-early-reject`, refuses those that the
+queue ahead makes miss (`TTFTUnreachableError`: RESOURCE_EXHAUSTED between services, 429 with
+Retry-After at the gateway: a retry can succeed); one that would miss even alone is served.
+Predictions start once the engine has timed a prompt step of MIN_PREFILL_SAMPLE or more
+tokens after its first such step (the first carries one-time costs).
 
 Cost model (`PrefillBudget.observe`): exponential moving averages, over this engine's own
 steps, of the decode-only step time and of the seconds per prompt token of steps that carried
