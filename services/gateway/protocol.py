@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from pdserve.services.gateway.errors import GatewayError, bad_request
 
@@ -100,6 +100,19 @@ class SamplingRequest(OpenAIBaseModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     """vLLM's older field: only "xgrammar" (the one backend) or "auto"; others are refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's API allows null for its optional fields (`n`, `logprobs`, `echo`, ...),
+        and vLLM's schema types them Optional: an explicit null means the default here too
+        (a required field's null stays an error)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required()
+                        and fields[k].default is not None)}
 
     @property
     def stop_list(self) -> list[str]:

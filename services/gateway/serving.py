@@ -83,6 +83,16 @@ class ChoiceRun:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def chunk_usage(req, run: ChoiceRun) -> dict:
+    """The `usage` key of a content chunk (vLLM's rules): absent without
+    `stream_options.include_usage`; null with it; the running usage (prompt tokens and the
+    tokens generated so far) with `continuous_usage_stats` too."""
+    if not req.include_usage:
+        return {}
+    continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    return {"usage": run.usage() if continuous else None}
+
+
 def response_id(req, request: Request) -> str:
     """The id a response is named after (vLLM's `_base_request_id`): the X-Request-Id header,
     else the body's `request_id`, else the one the gateway minted."""

@@ -30,6 +30,7 @@ from pdserve.services.gateway.serving import (
     ChoiceRun,
     OpenAIServing,
     PromptInput,
+    chunk_usage,
     clamp_logprob,
     response_id,
     token_label,
@@ -149,7 +150,6 @@ class _ChatOutput:
         self.meta = {"id": response_id, "created": int(time.time()),
                      "model": serving.config.served_model_name}
         self.chunk_meta = {**self.meta, "object": "chat.completion.chunk"}
-        self.usage_key = {"usage": None} if req.include_usage else {}
         # vLLM's chat echo: the answer starts with the last message's content when that
         # message has the answer's role (assistant, or the last role without a generation
         # prompt), as with continue_final_message.
@@ -202,12 +202,13 @@ class _ChatOutput:
                 if self.req.return_token_ids and i == 0 else {}  # vLLM's: first chunk only
             yield {**self.chunk_meta, "choices": [{
                 "index": i, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}], **prompt_ids, **self.usage_key}
+                "logprobs": None, "finish_reason": None}], **prompt_ids,
+                **chunk_usage(self.req, run)}
         if self.echo_text:
             for i in range(len(run.processors)):
                 yield {**self.chunk_meta, "choices": [{
                     "index": i, "delta": {"content": self.echo_text}, "logprobs": None,
-                    "finish_reason": None}], **self.usage_key}
+                    "finish_reason": None}], **chunk_usage(self.req, run)}
         parsers: dict[int, ToolCallStream] = {}
         delta = first
         while delta is not None:
@@ -234,5 +235,5 @@ class _ChatOutput:
                     choice["stop_reason"] = delta.stop_reason
                 if token_ids:
                     choice["token_ids"] = [] if j else delta.token_ids
-                yield {**self.chunk_meta, "choices": [choice], **self.usage_key}
+                yield {**self.chunk_meta, "choices": [choice], **chunk_usage(self.req, run)}
             delta = await anext(run.deltas, None)

@@ -28,6 +28,7 @@ from pdserve.services.gateway.serving import (
     ChoiceRun,
     OpenAIServing,
     PromptInput,
+    chunk_usage,
     clamp_logprob,
     response_id,
     static_deltas,
@@ -135,7 +136,6 @@ class _CompletionOutput:
         self.serving, self.req, self.prompts, self.n = serving, req, prompts, req.n
         self.meta = {"id": response_id, "object": "text_completion",
                      "created": int(time.time()), "model": serving.config.served_model_name}
-        self.usage_key = {"usage": None} if req.include_usage else {}
         # OpenAI's text_offset counts from the start of the prompt (with echo, the prompt's
         # own tokens come first, from offset 0).
         self.echo_logprobs = bool(req.echo) and req.logprobs is not None
@@ -202,7 +202,7 @@ class _CompletionOutput:
                     if first_of_choice:
                         choice["prompt_token_ids"] = self.prompts[delta.index // self.n].token_ids
                     choice["token_ids"] = delta.token_ids
-                yield {**self.meta, "choices": [choice], **self.usage_key}
+                yield {**self.meta, "choices": [choice], **chunk_usage(self.req, run)}
             delta = await anext(run.deltas, None)
 
     def _prompt_logprobs(self, first: ChoiceDelta) -> dict:

@@ -200,3 +200,45 @@ async def test_the_end_of_the_grace_period_cuts_what_still_runs(make_gateway, cl
         await asyncio.sleep(0.02)
     assert not cluster.decodes[0].rec.active
     assert len(cluster.decodes[0].rec.cancelled) == 2
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, chat_body("Write a haiku about rain.", max_tokens=12, temperature=0)),
+    (COMPLETIONS, completion_body("Once upon a time", max_tokens=12, temperature=0)),
+])
+async def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(gateway, path,
+                                                                           body):
+    """vLLM's `stream_options.continuous_usage_stats` (with include_usage): every chunk
+    carries the usage so far; the last (usage-only) chunk the final one."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = await stream(gateway.http, path, {**body, "stream_options": options})
+    full = (await gateway.http.post(path, json=body)).json()["usage"]
+    assert all(c.get("usage") is not None for c in chunks), chunks
+    generated = [c["usage"]["completion_tokens"] for c in chunks]
+    assert generated == sorted(generated) and generated[-1] == full["completion_tokens"]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {full["prompt_tokens"]}
+    assert chunks[-1]["choices"] == [] and generated[-2] == generated[-1]
+    # continuous_usage_stats alone (no include_usage) adds nothing, as in vLLM
+    plain = await stream(gateway.http, path,
+                         {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert all(c.get("usage") is None for c in plain)
+
+
+async def test_null_means_the_default_as_in_the_openai_api(gateway):
+    """`"n": null`, `"logprobs": null`, `"echo": null` ... are the defaults (OpenAI's API
+    allows null; vLLM's fields are Optional), not 400s."""
+    chat = chat_body("Write a haiku about rain.", max_tokens=8, temperature=0)
+    want = (await gateway.http.post(CHAT, json=chat)).json()
+    got = await gateway.http.post(CHAT, json={**chat, "n": None, "logprobs": None,
+                                              "echo": None, "ignore_eos": None})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]
+    comp = completion_body("Once upon a time", max_tokens=8, temperature=0)
+    want = (await gateway.http.post(COMPLETIONS, json=comp)).json()
+    got = await gateway.http.post(COMPLETIONS, json={**comp, "echo": None, "n": None,
+                                                     "min_tokens": None})
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    # a required field's null is still an error
+    bad = await gateway.http.post(COMPLETIONS, json={**comp, "prompt": None})
+    assert bad.status_code == 400, bad.text
