@@ -32,9 +32,9 @@ logger = logging.getLogger("pdserve.services.gateway.access")
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 PUBLIC_ROUTES = frozenset({"/health", "/ping", "/version", "/docs", "/openapi.json",
-                           "/metrics"})
-"""Open with API keys too (as vLLM, whose keys guard /v1 only); /metrics unless
---protect-metrics."""
+                           "/metrics", "/tokenize", "/detokenize"})
+"""Open with API keys too (as vLLM, whose keys guard /v1 only: its /tokenize and /detokenize
+sit outside it); /metrics unless --protect-metrics."""
 
 
 class GatewayMiddleware:

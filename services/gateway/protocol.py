@@ -250,15 +250,25 @@ def parse_request(model_cls: type[_M], body: bytes) -> _M:
     try:
         return model_cls.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors(include_url=False, include_input=False)[0]
+        errors = e.errors(include_url=False, include_input=False)
+        err = errors[0]
         if err["type"] == "json_invalid":
             raise bad_request(f"The body is not valid JSON: {err['msg']}") from None
-        # Union branches show up in the path as type names ("str", "list[int]"): drop them.
-        loc = [str(x) for x in err["loc"] if not _TYPE_TAG.fullmatch(str(x))]
+        loc = _field_path(err["loc"])
         if not loc:
             raise bad_request(f"The body must be a JSON object: {err['msg']}") from None
+        # A value no branch of a union takes fails once per branch: name them all ("a valid
+        # string, or a valid dictionary"), not only the first.
+        msgs = list(dict.fromkeys(x["msg"] for x in errors if _field_path(x["loc"]) == loc))
+        msg = msgs[0] + "".join(", or " + m.removeprefix("Input should be ") for m in msgs[1:])
         path = ".".join(loc)
-        raise GatewayError(f"Invalid value for '{path}': {err['msg']}", 400, loc[0]) from None
+        raise GatewayError(f"Invalid value for '{path}': {msg}", 400, loc[0]) from None
+
+
+def _field_path(loc: tuple) -> list[str]:
+    """A validation error's location without the union branches pydantic adds to it as
+    type names ("str", "list[int]")."""
+    return [str(x) for x in loc if not _TYPE_TAG.fullmatch(str(x))]
 
 
 _NO_EFFECT = (None,)

@@ -245,3 +245,18 @@ async def _wait(predicate, timeout=2.0):
             return
         await asyncio.sleep(0.01)
     raise AssertionError("timed out")
+
+
+def test_a_value_no_union_branch_takes_names_every_branch():
+    """`guided_json: [1, 2]` fails both of its types (a string, an object): the 400 names
+    both, not only "a valid string" (which read as if objects were refused)."""
+    from pdserve.services.gateway.errors import GatewayError
+    from pdserve.services.gateway.protocol import CompletionRequest, parse_request
+
+    with pytest.raises(GatewayError) as info:
+        parse_request(CompletionRequest, b'{"prompt": "x", "guided_json": [1, 2]}')
+    assert info.value.status_code == 400
+    assert str(info.value) == ("Invalid value for 'guided_json': Input should be a valid "
+                               "string, or an object")
+    with pytest.raises(GatewayError, match=r"'max_tokens': Input should be a valid integer$"):
+        parse_request(CompletionRequest, b'{"prompt": "x", "max_tokens": "ten"}')
