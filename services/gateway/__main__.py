@@ -65,21 +65,37 @@ _CANCEL_MARGIN = 3.0
 
 
 def _make_server(config, notice, grace: float):
-    """A uvicorn.Server that starts the app's grace period on the first exit signal and
-    exits 0 after an orderly shutdown (plain uvicorn re-raises the signal: exit -15)."""
+    """A uvicorn.Server that drains on the first exit signal and exits 0 after an orderly
+    shutdown (plain uvicorn re-raises the signal: exit -15).
+
+    First signal: the app's grace period starts and the port stays open, answering new
+    requests 503 (`ShutdownNotice.draining`, as vLLM's --shutdown-timeout drain) while the
+    requests in flight finish; once none is left (or the grace period and the cut's margin
+    have passed) uvicorn stops accepting and exits. A second signal exits at once.
+    """
     import uvicorn
 
     class GatewayServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            first = not self.should_exit
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # an orderly stop: no re-raise
-            if first:
-                try:
-                    loop = asyncio.get_running_loop()
-                except RuntimeError:  # not started yet: uvicorn just exits
-                    return
-                loop.call_soon_threadsafe(notice.begin, grace)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not started yet: uvicorn just exits
+                loop = None
+            if loop is None or self.should_exit or notice.draining:
+                self.should_exit = True
+                self.force_exit = notice.draining  # a second signal: now
+                self._captured_signals.clear()  # an orderly stop: no re-raise
+                return
+            self._captured_signals.clear()
+            loop.call_soon_threadsafe(self._drain)
+
+        def _drain(self) -> None:
+            notice.begin(grace)
+            self._drain_task = asyncio.ensure_future(self._exit_when_drained())
+
+        async def _exit_when_drained(self) -> None:
+            await notice.drained(grace, _CANCEL_MARGIN)
+            self.should_exit = True
 
     return GatewayServer(config)
 

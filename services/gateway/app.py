@@ -123,6 +123,7 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
                                                  metrics=metrics,
                                                  routes=frozenset(r.path for r in ROUTES),
                                                  protect_metrics=config.protect_metrics,
-                                                 admin_api_key=config.admin_api_key)])
+                                                 admin_api_key=config.admin_api_key,
+                                                 shutdown=shutdown)])
     app.state.gateway = gateway
     return app

@@ -24,6 +24,7 @@ from pdserve.services.gateway.admin import AdminGuard, is_admin_path, unauthoriz
 from pdserve.services.gateway.config import split_api_keys
 from pdserve.services.gateway.errors import GatewayError, error_response
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.shutdown import Draining, ShutdownNotice
 from pdserve.services.gateway.tenancy import tenant_cache_salt
 
 logger = logging.getLogger("pdserve.services.gateway.access")
@@ -41,11 +42,14 @@ class GatewayMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | Sequence[str] | None,
                  metrics: GatewayMetrics, routes: frozenset[str],
                  protect_metrics: bool = False,
-                 admin_api_key: str | Sequence[str] | None = None) -> None:
+                 admin_api_key: str | Sequence[str] | None = None,
+                 shutdown: ShutdownNotice | None = None) -> None:
         """`api_key`: the accepted keys (one, several, or comma-separated; None: open).
         `protect_metrics`: /metrics needs a key too (a tenant's or the admin's).
-        `admin_api_key`: the operator's key(s) for /debug/* (services/gateway/admin.py)."""
+        `admin_api_key`: the operator's key(s) for /debug/* (services/gateway/admin.py).
+        `shutdown`: while it drains, new requests get 503 (/metrics still answers)."""
         self.app = app
+        self.shutdown = shutdown or ShutdownNotice()
         self.public = PUBLIC_ROUTES - {"/metrics"} if protect_metrics else PUBLIC_ROUTES
         # (key bytes, the tenant's cache salt) per accepted key; the key itself goes nowhere.
         self._tenants = [(k.encode(), tenant_cache_salt(k))
@@ -110,8 +114,11 @@ class GatewayMiddleware:
             await send(message)
 
         self.metrics.requests_running.inc()
+        self.shutdown.num_requests += 1
         try:
             err = self._refusal(path, headers, state)
+            if err is None and self.shutdown.draining and path != "/metrics":
+                err = Draining()
             if err is not None:
                 await error_response(err, getattr(err, "headers", None))(
                     scope, receive, send_with_id)
@@ -125,6 +132,7 @@ class GatewayMiddleware:
             logger.info("[%s] %s %s %d %.3fs%s", request_id, scope["method"], path, status,
                         elapsed, cut)
             self.metrics.requests_running.dec()
+            self.shutdown.num_requests -= 1
             self.metrics.requests.labels(route, str(status)).inc()
             if route in GENERATION_ROUTES and status == 200:
                 self.metrics.e2e_request_latency.labels(route).observe(elapsed)

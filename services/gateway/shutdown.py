@@ -1,6 +1,9 @@
-"""The end of the grace period, told to the requests still running.
+"""The drain on SIGTERM, and the end of the grace period, told to the requests still running.
 
-    SIGTERM / Ctrl-C ─▶ uvicorn stops accepting; in-flight requests go on
+    SIGTERM / Ctrl-C ─▶ draining: the port stays open, new requests get 503
+                       (server_shutdown, `Connection: close`; vLLM's --shutdown-timeout
+                       drain), in-flight requests go on
+                    ─▶ once none is left, uvicorn stops accepting and exits 0
                     ─▶ `grace_period` s later ShutdownNotice.cut(): every stream still
                        running sends a final error event ({"error": {"type":
                        "server_shutdown", ...}}) and `data: [DONE]`, a non-streamed request
@@ -28,12 +31,29 @@ class ServerShutdown(GatewayError):
                          err_type="server_shutdown")
 
 
+class Draining(GatewayError):
+    def __init__(self) -> None:
+        super().__init__("The server is shutting down and takes no new requests; retry on "
+                         "another instance.", 503, err_type="server_shutdown")
+        self.headers = {"Connection": "close"}
+
+
 class ShutdownNotice:
     """Set once, on the event loop, when the grace period ends."""
 
     def __init__(self) -> None:
         self._cut: asyncio.Event | None = None
         self.draining = False
+        self.num_requests = 0
+        """HTTP requests in progress (the middleware counts them)."""
+
+    async def drained(self, grace: float, margin: float) -> None:
+        """Return once no HTTP request is in progress, or `grace + margin` s after the call
+        (the streams cut at `grace` have ended by then)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace + margin
+        while self.num_requests > 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     def _event(self) -> asyncio.Event:
         if self._cut is None:

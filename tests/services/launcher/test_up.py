@@ -195,7 +195,31 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
         print(f"decode-0 kill -9 -> /health 200 in {took:.1f} s")
         children.update(_descendants(proc.pid))
 
+        # SIGTERM drains: a stream in flight finishes, a new request gets 503 (vLLM's
+        # --shutdown-timeout drain: the port stays open, not refused), then everything exits
+        stream = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", max_tokens=48, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Count from one to one hundred."}])
+        first = next(iter(stream))
         proc.send_signal(signal.SIGTERM)
+        refused = None
+        deadline = time.monotonic() + 20
+        while refused is None and time.monotonic() < deadline:
+            try:
+                client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct", max_tokens=1,
+                    messages=[{"role": "user", "content": "Hi"}])
+            except openai.APIStatusError as e:
+                refused = e
+            time.sleep(0.05)
+        assert refused is not None and refused.status_code == 503, refused
+        assert refused.body["type"] == "server_shutdown", refused.body
+        assert refused.response.headers["connection"] == "close"
+        chunks = [first, *stream]
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks
+                   if c.choices) >= 40
         assert proc.wait(timeout=180) == 0, log.read_text()[-6000:]
     finally:
         if proc.poll() is None:
