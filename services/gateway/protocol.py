@@ -292,8 +292,8 @@ CHAT_NOT_IMPLEMENTED: dict[str, tuple] = {
     "return_prompt_text": (None, False), "add_special_tokens": (None, False),
 }
 """The same for vLLM's chat-only fields."""
-NO_EFFECT_IN_VLLM = ("user", "return_token_offsets", "return_mm_kwargs")
-"""Accepted with no effect, as in vLLM: OpenAI's `user` ("ignored by vLLM"), and two fields
+NO_EFFECT_IN_VLLM = ("user", "return_token_offsets", "return_mm_kwargs", "mm_payload")
+"""Accepted with no effect, as in vLLM: OpenAI's `user` ("ignored by vLLM"), and three fields
 vLLM honours only on its /render endpoints ("ignored on regular generation endpoints")."""
 
 

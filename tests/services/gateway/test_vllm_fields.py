@@ -38,6 +38,7 @@ COMMON = {
     "priority": 1, "request_id": "my-id", "session_id": "s1",
     "return_tokens_as_token_ids": True, "return_token_ids": True,
     "routed_experts_prompt_start": 1, "return_token_offsets": True, "return_mm_kwargs": False,
+    "mm_payload": "none",
     "cache_salt": "salt", "kv_transfer_params": {"do_remote_decode": True},
     "ec_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
     "repetition_detection": {"max_pattern_size": 2}, "thinking_token_budget": 10,
@@ -285,3 +286,14 @@ async def test_chat_template_kwargs_reach_the_template(make_gateway, fast_tokeni
         assert r.status_code == 200, r.text
         prompt = list(gateway.prefill.rec.requests[-1].prompt_token_ids)
         assert fast_tokenizer.decode(prompt) == "Hello" + tail
+
+
+def test_the_walk_covers_every_field_of_vllm_0_32():
+    """tests/data/vllm_request_fields.json lists the request fields of vLLM 0.32's own
+    CompletionRequest and ChatCompletionRequest (read from the installed package): each one
+    is walked above, so none can be accepted and ignored unnoticed."""
+    import json
+
+    names = json.loads((ROOT / "tests" / "data" / "vllm_request_fields.json").read_text())
+    assert not set(names["completion"]) - set(COMPLETION_FIELDS)
+    assert not set(names["chat"]) - set(CHAT_FIELDS)
