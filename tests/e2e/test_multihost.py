@@ -438,6 +438,16 @@ async def test_a_repeated_long_prefix_is_served_from_the_hosts_holding_it(c):
     for holder in (c.engines[holder_p], c.engines[holder_d]):  # published to Redis
         key = f"pdserve:held:{registered[holder.address]}"
         await _until(lambda key=key: c.redis.scard(key) >= 30, f"{key} to be published", 30)
+    # ... and in each gateway's view (refreshed in the background, about once a second):
+    # wait for a refresh that began after the publication
+    published = time.monotonic()
+
+    async def refreshed_since(url: str) -> bool:
+        age = (await c.http.get(f"{url}/health")).json()["redis"]["view_age_s"]
+        return age is not None and age + 0.1 < time.monotonic() - published
+
+    for gw in c.gateways:
+        await _until(lambda gw=gw: refreshed_since(gw.url), f"{gw.url}'s view", 30, 0.2)
     for k, gw in enumerate((c.gateways[1], c.gateways[0])):
         suffix = [600 + 10 * k + j for j in range(6)]
         r = await c.http.post(f"{gw.url}/v1/completions", json={
