@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
@@ -103,6 +104,10 @@ class GatewayConfig:
     # ---- vLLM OpenAI-server compatibility (README "Gateway flags")
     tokenizer: str | None = None
     """Local directory of the tokenizer (and chat template); None: `model_path`'s."""
+    generation_config: str = "auto"
+    """Default sampling parameters and extra EOS ids (vLLM's --generation-config): "auto"
+    reads the model's generation_config.json, "vllm" none, or a directory holding one
+    (services/gateway/generation_config.py)."""
     chat_template: str | None = field(default=None, repr=False)
     """A Jinja chat template (the text, read from --chat-template's file); None: the
     tokenizer's own."""
@@ -254,6 +259,10 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("OpenAI server (vLLM spellings)")
     g.add_argument("--tokenizer", default=_env("tokenizer", None),
                    help="local tokenizer directory (default: the model's)")
+    g.add_argument("--generation-config", default=_env("generation_config", "auto"),
+                   help="default sampling parameters and extra EOS ids, as vLLM: 'auto' "
+                        "(the model's generation_config.json), 'vllm' (none), or a "
+                        "directory holding a generation_config.json")
     g.add_argument("--chat-template", default=_env("chat_template", None),
                    help="a Jinja chat template: a file path, the template itself, or the "
                         "name of one shipped in services/gateway/chat_templates/ (e.g. "
@@ -342,7 +351,18 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         "api_key": split_api_keys(ns.api_key or _env("api_key", None)) or None,
         "admin_api_key": split_api_keys(ns.admin_api_key or _env("admin_api_key", None)) or None,
         "internal_token": ns.internal_token or None, "tokenizer": _tokenizer_dir(ns.tokenizer),
+        "generation_config": _generation_config_source(ns.generation_config),
         "chat_template": read_chat_template(ns.chat_template),
         "allowed_origins": tuple(ns.allowed_origins),
         "allowed_methods": tuple(ns.allowed_methods),
         "allowed_headers": tuple(ns.allowed_headers)})
+
+
+def _generation_config_source(value: str) -> str:
+    """--generation-config as given, after checking a directory holds the file."""
+    if value in ("auto", "vllm"):
+        return value
+    if not (Path(value) / "generation_config.json").is_file():
+        raise FileNotFoundError(f"--generation-config: no generation_config.json in {value!r} "
+                                "(give 'auto', 'vllm' or such a directory)")
+    return value

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError, bad_request
+from pdserve.services.gateway.generation_config import GenerationDefaults
 from pdserve.services.gateway.protocol import SamplingRequest
 from pdserve.shared.proto import engine_pb2
 from pdserve.shared.sampling_params import SamplingParams
@@ -144,10 +145,15 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
     return requested
 
 
+NO_DEFAULTS = GenerationDefaults()
+"""No generation config: OpenAI's and vLLM's own defaults."""
+
+
 def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: int | None,
                           vocab_size: int, max_n: int, max_tokens_param: str = "max_tokens",
                           structured_outputs: StructuredOutputsParams | None = None,
                           bad_words_token_ids: list[list[int]] | None = None,
+                          defaults: GenerationDefaults = NO_DEFAULTS,
                           ) -> SamplingParams:
     """Validated sampling params (defaults filled in as OpenAI and vLLM do).
 
@@ -155,6 +161,9 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
         max_tokens_param: the request field max_tokens came from (for error messages).
         structured_outputs: the output constraint (services/gateway/structured_outputs.py).
         bad_words_token_ids: `req.bad_words` tokenized (`tokenize_bad_words`).
+        defaults: the model's generation config: the values of the sampling fields the
+            request leaves unset, and EOS ids added to stop_token_ids unless ignore_eos
+            (services/gateway/generation_config.py).
     """
     if not 1 <= req.n <= max_n:
         raise bad_request(f"n must be in [1, {max_n}], got {req.n}", "n")
@@ -171,6 +180,9 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
             raise bad_request(f"{name} is out of range", name)
     stop_token_ids = list(req.stop_token_ids or [])
     check_token_ids(stop_token_ids, vocab_size, "stop_token_ids")
+    if not req.ignore_eos:  # vLLM's update_from_generation_config
+        stop_token_ids += [i for i in defaults.extra_eos_token_ids
+                           if i not in stop_token_ids and 0 <= i < vocab_size]
     logit_bias = parse_logit_bias(req.logit_bias, vocab_size)
     allowed_token_ids = None
     if req.allowed_token_ids is not None:
@@ -183,14 +195,15 @@ def build_sampling_params(req: SamplingRequest, *, max_tokens: int, logprobs: in
     try:
         return SamplingParams(
             n=req.n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=defaults.pick("temperature", req.temperature, 1.0),
+            top_p=defaults.pick("top_p", req.top_p, 1.0),
+            top_k=defaults.pick("top_k", req.top_k, 0),
+            min_p=defaults.pick("min_p", req.min_p, 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=defaults.pick("repetition_penalty", req.repetition_penalty,
+                                             1.0),
             max_tokens=max_tokens, min_tokens=req.min_tokens, stop_token_ids=stop_token_ids,
             ignore_eos=req.ignore_eos, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens, logit_bias=logit_bias,

@@ -23,6 +23,7 @@ from pdserve.services.gateway.backpressure import TRANSPORT_KEY, StreamBacklog
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError, bad_request, model_not_found
 from pdserve.services.gateway.failover import EngineClient
+from pdserve.services.gateway.generation_config import load_generation_defaults
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
 from pdserve.services.gateway.prefill_decode import EngineOutput
@@ -190,6 +191,9 @@ class OpenAIServing:
         self.admission = admission or AdmissionQueue(config.max_num_queued_requests,
                                                      config.max_queued_tokens)
         self._max_token_chars = _max_token_chars(tokenizer.tokenizer)
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, config.model_path, tokenizer.eos_token_id)
+        """The model's generation config: defaults of unset sampling fields, extra EOS ids."""
 
     async def check_prompt_chars(self, num_chars: int, param: str,
                                  max_model_len: int | None = None) -> None:

@@ -113,7 +113,8 @@ class ChatServing(OpenAIServing):
                                    vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
                                    max_tokens_param=param, structured_outputs=structured_outputs,
                                    bad_words_token_ids=await tokenize_bad_words(
-                                       req.bad_words, self.tokenizer.encode_prompt))
+                                       req.bad_words, self.tokenizer.encode_prompt),
+                                   defaults=self.generation_defaults)
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)
         out = _ChatOutput(self, req, f"chatcmpl-{response_id(req, request)}",

@@ -108,7 +108,8 @@ class CompletionServing(OpenAIServing):
                 len(p.token_ids), None if echo_only else 1 if prompt_only else req.max_tokens,
                 max_model_len, default=_DEFAULT_MAX_TOKENS),
             logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
-            structured_outputs=structured_outputs, bad_words_token_ids=bad_words_token_ids),
+            structured_outputs=structured_outputs, bad_words_token_ids=bad_words_token_ids,
+            defaults=self.generation_defaults),
             prompt_logprobs=prompt_logprobs) for p in prompts]
         state = request.state
         salt = request_cache_salt(state.tenant_cache_salt, req.cache_salt)

@@ -124,7 +124,8 @@ def shares_cores(ns: argparse.Namespace) -> bool:
         and getattr(ns, "decode_cpu_cores", None) is None
 
 
-_COMPAT_FLAGS = ("tokenizer", "chat-template", "metrics-compat", "tool-call-parser")
+_COMPAT_FLAGS = ("tokenizer", "chat-template", "metrics-compat", "tool-call-parser",
+                 "generation-config")
 _COMPAT_LISTS = ("allowed-origins", "allowed-methods", "allowed-headers")
 _COMPAT_SWITCHES = ("allow-credentials", "protect-metrics", "enable-auto-tool-choice")
 

@@ -224,3 +224,8 @@ def test_avoid_pinned_cores_of_other_engines():
     assert reason == ("cores 0-1 are pinned by another pdserve's engines: pid 11 (prefill, "
                       "cores 0), pid 12 (decode, cores 1)")
     assert avoid_pinned((0, 1), others)[0] == ()
+
+
+def test_generation_config_reaches_the_gateway():
+    assert _gateway_ns().generation_config == "auto"
+    assert _gateway_ns("--generation-config", "vllm").generation_config == "vllm"
