@@ -74,7 +74,8 @@ def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> Nat
         _c_ptr, _c_ptr, _c_int64, _c_int64,  # k_cache, v_cache, num_blocks, block_size
         _c_ptr, _c_int64, _c_int64, _c_int64,  # block_table, num_reqs, width, stride
         _c_ptr, _c_ptr, _c_ptr, _c_int64, _c_int64,  # query rows, batch indices, seq_lens, n, max
-        ctypes.c_float, _c_ptr, _c_int64, ctypes.c_int,  # scale, out, out_stride, threads
+        ctypes.c_float, ctypes.c_int, ctypes.c_float,  # scale, sliding_window, soft_cap
+        _c_ptr, _c_int64, ctypes.c_int,  # out, out_stride, threads
     ]
     return NativeKernel(function, head_dim, num_kv_heads, group_size)
 
@@ -102,9 +103,12 @@ def paged_attention_rows(
     rows: DecodeRows,
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """out[rows.query_rows[r]] = attention of that query row over the first
-    rows.seq_lens[r] keys of request rows.batch_indices[r]. Writes only the listed rows.
+    rows.seq_lens[r] keys of request rows.batch_indices[r] (only the last `sliding_window`
+    of them when set; blocks before the window are not read). Writes only the listed rows.
 
     Args:
         kernel: from `load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)`.
@@ -115,6 +119,8 @@ def paged_attention_rows(
         rows: the rows to compute.
         scale: softmax scale.
         out: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
+        sliding_window: None, or the number of most recent keys each row attends to.
+        logits_soft_cap: None, or c: each scaled score s becomes c * tanh(s / c) (Gemma 2).
 
     Raises:
         IndexError: an index outside query, block_table or the cache (nothing written).
@@ -146,7 +152,8 @@ def paged_attention_rows(
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], k_cache.shape[1],
         block_table.data_ptr(), block_table.shape[0], block_table.shape[1], block_table.stride(0),
         query_rows.data_ptr(), batch_indices.data_ptr(), seq_lens.data_ptr(), num_rows,
-        max_seq_len, scale, out.data_ptr(), out.stride(0),
+        max_seq_len, scale, int(sliding_window or 0), float(logits_soft_cap or 0.0),
+        out.data_ptr(), out.stride(0),
         max(1, min(torch.get_num_threads(), num_rows)),  # one row is one thread's work
     )
     if status == -2:

@@ -76,12 +76,18 @@ def paged_attention(
     scale: float,
     backend: Backend = "torch",
     torch_metadata: TorchAttentionMetadata | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (decodes and chunked prefills) over the paged cache.
 
     Request i's q_len_i query rows (`attn_metadata.query_start_loc`) are its last q_len_i
     positions and attend causally to its first seq_lens[i] keys; query head h reads kv head
-    h // (num_heads // num_kv_heads).
+    h // (num_heads // num_kv_heads). With `sliding_window` W the query at position p sees
+    keys p - W + 1 ... p only (Mistral; Gemma's local layers; transformers' mask), and no
+    backend reads a block that lies wholly before a request's first query's window (such
+    blocks may have been freed: the null block). With `logits_soft_cap` c the scaled scores
+    become c * tanh(s / c) (Gemma 2, Gemma Team 2024).
 
     Args:
         query: [num_tokens, num_heads, head_dim].
@@ -90,22 +96,27 @@ def paged_attention(
         attn_metadata: the step's `shared.engine.attn_metadata.AttentionMetadata`.
         scale: softmax scale.
         backend: which implementation runs.
-        torch_metadata: "torch" backend only: this step's `prepare_torch_metadata(...)`.
+        torch_metadata: "torch" backend only: this step's `prepare_torch_metadata(...)`
+            built for the same `sliding_window`.
+        sliding_window: None (full attention) or W >= 1 tokens.
+        logits_soft_cap: None or c > 0.
 
     Returns:
         [num_tokens, num_heads, head_dim], query's dtype; rows past query_start_loc[-1]
         are zero.
     """
     args = (query, k_cache, v_cache, attn_metadata, scale)
+    variant = {"sliding_window": sliding_window or None,
+               "logits_soft_cap": logits_soft_cap or None}
     if backend == "torch":
-        return torch_paged.paged_attention(*args, torch_metadata=torch_metadata)
+        return torch_paged.paged_attention(*args, torch_metadata=torch_metadata, **variant)
     if backend == "triton":
         from pdserve.kernels import triton_decode, triton_prefill
 
         out = torch.zeros_like(query)
-        triton_decode.paged_decode(*args, out)
-        triton_prefill.paged_prefill(*args, out)
+        triton_decode.paged_decode(*args, out, **variant)
+        triton_prefill.paged_prefill(*args, out, **variant)
         return out
     if backend == "reference":
-        return reference.paged_attention(*args)
+        return reference.paged_attention(*args, **variant)
     raise ValueError(f"unknown backend {backend!r}")

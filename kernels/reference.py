@@ -46,12 +46,16 @@ def paged_attention(
     v_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention`, by its definition: request i owns query rows
     query_start_loc[i] : query_start_loc[i + 1], its LAST q_len_i positions; the query at
-    position p attends to the request's keys 0 ... p, query head h reading kv head
-    h // (num_heads // num_kv_heads) (GQA). Computed in float32; rows past
-    query_start_loc[-1] are zero.
+    position p attends to the request's keys 0 ... p (with `sliding_window` W: only keys
+    p - W + 1 ... p, transformers' `kv_idx > q_idx - W`; keys before the first query's window
+    are never read), query head h reading kv head h // (num_heads // num_kv_heads) (GQA).
+    With `logits_soft_cap` c each scaled score s becomes c * tanh(s / c) (Gemma 2) before the
+    mask. Computed in float32; rows past query_start_loc[-1] are zero.
     """
     num_heads = query.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -64,16 +68,21 @@ def paged_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        key_pos = torch.arange(seq_len, device=query.device)
+        key_lo = max(0, seq_len - q_len - sliding_window + 1) if sliding_window else 0
+        key_pos = torch.arange(key_lo, seq_len, device=query.device)
         block_ids = block_table[req_idx].long()[key_pos // block_size]
         offsets = key_pos % block_size
         # [seq_len, num_heads, head_dim]: each kv head repeated for its query group
         k = k_cache[block_ids, offsets].float().repeat_interleave(group_size, dim=1)
         v = v_cache[block_ids, offsets].float().repeat_interleave(group_size, dim=1)
         q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, num_keys]
+        if logits_soft_cap:
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
         query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        is_visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, seq_len]
+        is_visible = key_pos[None, :] <= query_pos[:, None]  # [q_len, num_keys]
+        if sliding_window:
+            is_visible &= key_pos[None, :] > query_pos[:, None] - sliding_window
         scores = scores.masked_fill(~is_visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

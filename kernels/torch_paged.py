@@ -59,9 +59,11 @@ class PrefillSlice:
     start: int
     end: int
     slots: torch.Tensor
-    """[seq_len] int64, cache slot of each key position."""
+    """[num_keys] int64, cache slot of each key position it may see: all seq_len of them, or
+    with a sliding window those from the first query's window on."""
     mask: torch.Tensor | None
-    """[q_len, seq_len] bool (True = attend), or None when q_len == seq_len (plain causal)."""
+    """[q_len, num_keys] bool (True = attend), or None when plain causal (q_len == seq_len,
+    no window)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,8 @@ class TorchAttentionMetadata:
     """Every decode row (and verify row), longest seq_len first."""
     decode_buckets: tuple[DecodeBucket, ...]
     prefills: tuple[PrefillSlice, ...]
+    sliding_window: int | None = None
+    """The window these indices were built for (None: full attention)."""
 
 
 def prepare_torch_metadata(
@@ -83,6 +87,7 @@ def prepare_torch_metadata(
     block_size: int,
     num_kv_heads: int,
     bucket_size: int = DECODE_BUCKET_SIZE,
+    sliding_window: int | None = None,
 ) -> TorchAttentionMetadata:
     """Builds the step's indices once (all host work), for every layer's `paged_attention`.
 
@@ -90,7 +95,9 @@ def prepare_torch_metadata(
     `attn_metadata.verify_reqs` (a last token + speculative drafts), over the keys up to its
     own position (causal; their K/V is stored before attention reads it). Other requests
     are prefill slices. `bucket_size`: decode rows per bucket in the torch-ops fallback.
-    Its tensors are on the block table's device.
+    `sliding_window`: build for layers that see only each query's last W keys (a model with
+    local and global layers builds one per kind). Its tensors are on the block table's
+    device.
     """
     device = attn_metadata.block_table.device
     seq_lens = attn_metadata.seq_lens.tolist()
@@ -108,9 +115,12 @@ def prepare_torch_metadata(
             verify_rows.extend((start + j, req_idx, seq_len - (end - start) + 1 + j)
                                for j in range(end - start))
         elif end - start > 1:
-            slots = _cache_slots(block_table[req_idx : req_idx + 1], seq_len, block_size)[0]
-            prefills.append(PrefillSlice(start, end, slots,
-                                         _prefill_mask(end - start, seq_len, device)))
+            q_len = end - start
+            key_lo = (max(0, seq_len - q_len - sliding_window + 1) if sliding_window else 0)
+            slots = _cache_slots(block_table[req_idx : req_idx + 1], seq_len, block_size,
+                                 key_lo)[0]
+            prefills.append(PrefillSlice(start, end, slots, _prefill_mask(
+                q_len, seq_len, key_lo, sliding_window, device)))
     # NOTE: longest first balances the native kernel's dynamic schedule across threads, and
     # puts rows of similar length next to each other for the fallback's buckets.
     decode_reqs.sort(key=lambda req_idx: -seq_lens[req_idx])
@@ -124,25 +134,35 @@ def prepare_torch_metadata(
         max_seq_len=max((r[2] for r in rows), default=0))
     buckets = tuple(
         _decode_bucket(block_table, *(x[i : i + bucket_size] for x in decode_rows[:3]),
-                       rows[i][2], block_size, num_kv_heads)
+                       rows[i][2], block_size, num_kv_heads, sliding_window)
         for i in range(0, len(rows), bucket_size)
     )
     return TorchAttentionMetadata(
         num_actual_tokens=starts[-1], block_size=block_size, num_kv_heads=num_kv_heads,
-        decode_rows=decode_rows, decode_buckets=buckets, prefills=tuple(prefills))
+        decode_rows=decode_rows, decode_buckets=buckets, prefills=tuple(prefills),
+        sliding_window=sliding_window)
 
 
-def _cache_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """[n, length] int64 slots of positions 0..length-1 of each row's block table."""
-    positions = torch.arange(length, device=block_table.device)
+def _cache_slots(block_table: torch.Tensor, length: int, block_size: int,
+                 start: int = 0) -> torch.Tensor:
+    """[n, length - start] int64 slots of positions start..length-1 of each row's block
+    table."""
+    positions = torch.arange(start, length, device=block_table.device)
     return block_table[:, positions // block_size] * block_size + positions % block_size
 
 
-def _prefill_mask(q_len: int, seq_len: int, device: torch.device) -> torch.Tensor | None:
-    if q_len == seq_len:
+def _prefill_mask(q_len: int, seq_len: int, key_lo: int, sliding_window: int | None,
+                  device: torch.device) -> torch.Tensor | None:
+    """[q_len, seq_len - key_lo] bool: query row r (position seq_len - q_len + r) sees key
+    key_lo + j when it is not after it and, with a window, within its last W positions."""
+    if q_len == seq_len and not sliding_window:
         return None
-    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-    return torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    key_pos = torch.arange(key_lo, seq_len, device=device)[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window:
+        visible &= key_pos > query_pos - sliding_window
+    return visible
 
 
 def _decode_bucket(
@@ -153,16 +173,22 @@ def _decode_bucket(
     max_len: int,
     block_size: int,
     num_kv_heads: int,
+    sliding_window: int | None = None,
 ) -> DecodeBucket:
     """`max_len`: the bucket's longest seq_len (its first row's: rows are longest first)."""
     padded_len = -(-max_len // block_size) * block_size
     slots = _cache_slots(block_table[batch_indices], padded_len, block_size)  # [n, padded_len]
     device = block_table.device
-    is_pad = torch.arange(padded_len, device=device)[None, :] >= seq_lens[:, None].long()
-    # NOTE: padding re-reads the row's position 0, never the slots past seq_len: those (and the
-    # null block) may hold NaN from an uninitialized cache, and a masked NaN still poisons
-    # the softmax and the 0 * v products.
-    slots = torch.where(is_pad, slots[:, :1], slots)
+    positions = torch.arange(padded_len, device=device)[None, :]
+    lens = seq_lens[:, None].long()
+    is_pad = positions >= lens
+    if sliding_window:
+        is_pad |= positions < lens - sliding_window
+    # NOTE: padding re-reads the row's last position, never the slots past seq_len or before
+    # the window: those (and the null block, which stands for freed blocks) may hold NaN from
+    # an uninitialized cache, and a masked NaN still poisons the softmax and the 0 * v
+    # products.
+    slots = torch.where(is_pad, slots.gather(1, lens - 1), slots)
     heads = torch.arange(num_kv_heads, device=device)
     cache_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [n, kvh, padded_len]
     mask = torch.zeros(is_pad.shape, device=device).masked_fill_(is_pad, float("-inf"))
@@ -205,20 +231,25 @@ def paged_attention(
     scale: float,
     torch_metadata: TorchAttentionMetadata | None = None,
     use_native: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """`kernels.paged_attention` on CPU; the same contract as `kernels.reference`.
 
-    `torch_metadata`: from `prepare_torch_metadata` for this step; built here when None
-    (host time on every layer, so the model runner builds it once per step). `use_native`:
-    decodes run the compiled C kernel when it is available (fp32).
+    `torch_metadata`: from `prepare_torch_metadata` for this step and this `sliding_window`;
+    built here when None (host time on every layer, so the model runner builds it once per
+    step). `use_native`: decodes run the compiled C kernel when it is available (fp32).
+    `sliding_window`, `logits_soft_cap`: as `kernels.ops.paged_attention`.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_heads % num_kv_heads == 0 and v_cache.shape == k_cache.shape
     metadata = torch_metadata
     if metadata is None:
-        metadata = prepare_torch_metadata(attn_metadata, block_size, num_kv_heads)
+        metadata = prepare_torch_metadata(attn_metadata, block_size, num_kv_heads,
+                                          sliding_window=sliding_window)
     assert (metadata.block_size, metadata.num_kv_heads) == (block_size, num_kv_heads)
+    assert metadata.sliding_window == sliding_window, "metadata built for another window"
     padded = metadata.num_actual_tokens < query.shape[0]
     out = torch.zeros_like(query) if padded else torch.empty_like(query)
     if metadata.decode_rows.query_rows.numel() > 0:
@@ -232,11 +263,12 @@ def paged_attention(
                 query = query.contiguous()
             block_table = attn_metadata.block_table.to(torch.int32).contiguous()
             paged_attention_rows(native, query, k_cache, v_cache, block_table,
-                                 metadata.decode_rows, scale, out)
+                                 metadata.decode_rows, scale, out, sliding_window,
+                                 logits_soft_cap)
         else:
-            _decode_torch(query, k_cache, v_cache, metadata, scale, out)
+            _decode_torch(query, k_cache, v_cache, metadata, scale, out, logits_soft_cap)
     for prefill in metadata.prefills:
-        _prefill_torch(query, k_cache, v_cache, prefill, scale, out)
+        _prefill_torch(query, k_cache, v_cache, prefill, scale, out, logits_soft_cap)
     return out
 
 
@@ -247,6 +279,7 @@ def _decode_torch(
     metadata: TorchAttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    logits_soft_cap: float | None = None,
 ) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = metadata.num_kv_heads
@@ -261,7 +294,11 @@ def _decode_torch(
         # [n, num_heads, head_dim] -> [n * num_kv_heads, group_size, head_dim]
         q = query.index_select(0, bucket.query_rows).view(n * num_kv_heads, group_size, head_dim)
         mask = bucket.mask.to(q.dtype)
-        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
+        if logits_soft_cap:
+            scores = torch.bmm(q, k.transpose(1, 2)) * scale
+            scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap) + mask
+        else:
+            scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         out.index_copy_(0, bucket.query_rows, torch.bmm(probs, v).view(n, num_heads, head_dim))
 
@@ -273,13 +310,35 @@ def _prefill_torch(
     prefill: PrefillSlice,
     scale: float,
     out: torch.Tensor,
+    logits_soft_cap: float | None = None,
 ) -> None:
-    k = k_cache.flatten(0, 1).index_select(0, prefill.slots)  # [seq_len, num_kv_heads, head_dim]
+    k = k_cache.flatten(0, 1).index_select(0, prefill.slots)  # [num_keys, num_kv_heads, head_dim]
     v = v_cache.flatten(0, 1).index_select(0, prefill.slots)
     q = query[prefill.start : prefill.end]  # [q_len, num_heads, head_dim]
+    if logits_soft_cap:
+        out[prefill.start : prefill.end] = _soft_capped_attention(q, k, v, prefill.mask, scale,
+                                                                  logits_soft_cap)
+        return
     # NOTE: 4-D inputs ([1, heads, len, head_dim]) take torch's fused CPU kernel (flash
     # attention); 3-D ones fall back to the ~4x slower math path.
     attn = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scale, enable_gqa=True)
     out[prefill.start : prefill.end] = attn[0].transpose(0, 1)
+
+
+def _soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float, cap: float) -> torch.Tensor:
+    """Attention with scores c * tanh(s / c) (Gemma 2), which SDPA cannot express: q
+    [q_len, num_heads, D], k/v [num_keys, num_kv_heads, D], mask [q_len, num_keys] bool or
+    None (plain causal) -> [q_len, num_heads, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, num_keys, D]
+    v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale
+    scores = cap * torch.tanh(scores / cap)  # [num_heads, q_len, num_keys]
+    if mask is None:
+        mask = torch.ones(scores.shape[1:], dtype=torch.bool, device=q.device).tril_()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).transpose(0, 1)

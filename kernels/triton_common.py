@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 
 if TYPE_CHECKING:
     from pdserve.shared.engine.attn_metadata import AttentionMetadata
@@ -66,3 +67,10 @@ def check_paged_attention_inputs(
         block_size=block_size,
         dot_precision="ieee" if query.dtype == torch.float32 else "tf32",
     )
+
+
+@triton.jit
+def soft_cap_tanh(x):
+    """tanh(x) from exp (tl.math's tanh is missing in some Triton builds and in the
+    interpreter): 1 - 2 / (exp(2x) + 1), exact at +-inf (+-1)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton_common import check_paged_attention_inputs
+from pdserve.kernels.triton_common import check_paged_attention_inputs, soft_cap_tanh
 
 if TYPE_CHECKING:
     from pdserve.shared.engine.attn_metadata import AttentionMetadata
@@ -32,6 +32,7 @@ def _paged_decode_kernel(
     query_start_loc_ptr,
     out_ptr,
     scale,
+    soft_cap,
     query_token_stride,
     query_head_stride,
     out_token_stride,
@@ -46,6 +47,8 @@ def _paged_decode_kernel(
     BLOCK_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     req_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,17 +72,24 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
     acc = tl.zeros([BLOCK_GROUP, BLOCK_DIM], dtype=tl.float32)
     block_table_row = block_table_ptr + req_idx.to(tl.int64) * block_table_stride
-    for block_idx in range(0, tl.cdiv(seq_len, BLOCK_SIZE)):
+    # With a window only keys seq_len - W .. seq_len - 1 are read: the blocks before the one
+    # holding the window's first key may be freed (the null block).
+    key_lo = 0
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    for block_idx in range(key_lo // BLOCK_SIZE, tl.cdiv(seq_len, BLOCK_SIZE)):
         block_id = tl.load(block_table_row + block_idx).to(tl.int64)
         positions = block_idx * BLOCK_SIZE + offsets
-        is_key = positions < seq_len
+        is_key = (positions < seq_len) & (positions >= key_lo)
         kv_ptrs = (block_id * cache_block_stride + offsets[:, None] * cache_offset_stride
                    + kv_head * cache_head_stride + dims[None, :])
         kv_mask = is_key[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_DIM]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * soft_cap_tanh(scores / soft_cap)
         scores = tl.where(is_key[None, :], scores, float("-inf"))  # [BLOCK_GROUP, BLOCK_SIZE]
-        # NOTE: the first block always holds key 0, so m_new is finite from the start.
+        # NOTE: the first block always holds key key_lo, so m_new is finite from the start.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         probs = tl.exp(scores - m_new[:, None])
@@ -101,8 +111,11 @@ def paged_decode(
     attn_metadata: "AttentionMetadata",
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Writes out[query_start_loc[i]] for every request i with q_len 1; other rows untouched.
+    `sliding_window`, `logits_soft_cap`: as `kernels.ops.paged_attention`.
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
     block_size, num_kv_heads, head_dim] (`kernels.paged_attention` has the contract).
@@ -114,7 +127,7 @@ def paged_decode(
         return
     _paged_decode_kernel[(num_reqs, dims.num_kv_heads)](
         query, k_cache, v_cache, block_table, attn_metadata.seq_lens,
-        attn_metadata.query_start_loc, out, scale,
+        attn_metadata.query_start_loc, out, scale, float(logits_soft_cap or 0.0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         GROUP_SIZE=dims.group_size,
@@ -123,4 +136,6 @@ def paged_decode(
         BLOCK_DIM=dims.block_dim,
         BLOCK_SIZE=dims.block_size,
         DOT_PRECISION=dims.dot_precision,
+        SLIDING_WINDOW=int(sliding_window or 0),
+        USE_SOFT_CAP=bool(logits_soft_cap),
     )

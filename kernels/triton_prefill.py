@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.triton_common import check_paged_attention_inputs
+from pdserve.kernels.triton_common import check_paged_attention_inputs, soft_cap_tanh
 
 if TYPE_CHECKING:
     from pdserve.shared.engine.attn_metadata import AttentionMetadata
@@ -35,6 +35,7 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     scale,
+    soft_cap,
     query_token_stride,
     query_head_stride,
     out_token_stride,
@@ -49,6 +50,8 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
 ):
     req_idx = tl.program_id(0)
     tile_idx = tl.program_id(1)
@@ -80,7 +83,12 @@ def _paged_prefill_kernel(
     block_table_row = block_table_ptr + req_idx.to(tl.int64) * block_table_stride
     # Keys past the tile's last query position are invisible to every row of the tile.
     kv_end = tl.minimum(seq_len, context_len + (tile_idx + 1) * BLOCK_M)
-    for block_idx in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
+    # With a window the tile's first row sees keys from its position - W + 1 on: blocks
+    # wholly before that are not read (they may be freed: the null block).
+    key_lo = 0
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(context_len + tile_idx * BLOCK_M - SLIDING_WINDOW + 1, 0)
+    for block_idx in range(key_lo // BLOCK_SIZE, tl.cdiv(kv_end, BLOCK_SIZE)):
         block_id = tl.load(block_table_row + block_idx).to(tl.int64)
         positions = block_idx * BLOCK_SIZE + offsets
         is_key = positions < seq_len
@@ -89,12 +97,19 @@ def _paged_prefill_kernel(
         kv_mask = is_key[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, BLOCK_DIM]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        if USE_SOFT_CAP:
+            scores = soft_cap * soft_cap_tanh(scores / soft_cap)
         is_visible = (positions[None, :] <= query_pos[:, None]) & is_key[None, :]
+        if SLIDING_WINDOW > 0:
+            is_visible &= positions[None, :] > query_pos[:, None] - SLIDING_WINDOW
         scores = tl.where(is_visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_SIZE]
-        # NOTE: key 0 is visible to every row, so m_new is finite after the first block.
+        # NOTE: without a window key 0 is visible to every row, so m_new is finite after the
+        # first block; with one a row may see nothing in a block yet (m_new -inf): exp is
+        # then taken against 0 so that no -inf - -inf NaN appears.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        probs = tl.exp(scores - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        probs = tl.exp(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(probs, axis=1)
         v = tl.load(v_cache_ptr + kv_ptrs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -113,13 +128,16 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor,
     block_m: int = DEFAULT_BLOCK_M,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Writes the query rows of every request with q_len > 1; other rows untouched.
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks,
     block_size, num_kv_heads, head_dim], the chunk's own keys already stored
     (`kernels.paged_attention` has the contract). `attn_metadata.max_query_len` sizes the
-    grid; `block_m`: query rows per program, a power of two >= 16.
+    grid; `block_m`: query rows per program, a power of two >= 16. `sliding_window`,
+    `logits_soft_cap`: as `kernels.ops.paged_attention`.
     """
     dims = check_paged_attention_inputs(query, k_cache, v_cache, attn_metadata, out)
     assert block_m >= 16 and block_m & (block_m - 1) == 0
@@ -130,7 +148,7 @@ def paged_prefill(
     grid = (num_reqs, triton.cdiv(max_query_len, block_m), dims.num_heads)
     _paged_prefill_kernel[grid](
         query, k_cache, v_cache, block_table, attn_metadata.seq_lens,
-        attn_metadata.query_start_loc, out, scale,
+        attn_metadata.query_start_loc, out, scale, float(logits_soft_cap or 0.0),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         GROUP_SIZE=dims.group_size,
@@ -139,4 +157,6 @@ def paged_prefill(
         BLOCK_M=block_m,
         BLOCK_SIZE=dims.block_size,
         DOT_PRECISION=dims.dot_precision,
+        SLIDING_WINDOW=int(sliding_window or 0),
+        USE_SOFT_CAP=bool(logits_soft_cap),
     )

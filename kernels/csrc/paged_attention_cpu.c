@@ -4,6 +4,9 @@
  * Row r is query row token_ids[r] of request req_ids[r]; it attends to that request's first
  * context_lens[r] keys, read block by block through block_table (a decode row has
  * context_len = seq_len; the j-th of q_len chunked-prefill rows has seq_len - q_len + j + 1).
+ * With sliding_window W > 0 it attends only to the last W of them (Mistral, Gemma local
+ * layers); blocks before the window are never read (they may be freed: the null block).
+ * With soft_cap c > 0 each scaled score s becomes c * tanh(s / c) (Gemma 2).
  *
  * kernels/cpu_native.py compiles this file at first use with HEAD_DIM, NUM_KV_HEADS and
  * GROUP_SIZE defined, so every inner loop has a constant trip count and vectorizes fully.
@@ -83,27 +86,40 @@ static void softmax_rows(float* restrict scores, int64_t stride, int n, float* r
 
 static void attend_row(const float* restrict q_row, float scale, const float* restrict k_cache,
                        const float* restrict v_cache, const int32_t* restrict blocks,
-                       int64_t block_size, int context_len, float* restrict scores,
-                       int64_t stride, float* restrict out_row) {
+                       int64_t block_size, int context_len, int sliding_window, float soft_cap,
+                       float* restrict scores, int64_t stride, float* restrict out_row) {
     float q_scaled[NUM_HEADS * HEAD_DIM];
     float acc[NUM_HEADS * HEAD_DIM];
     float inv_sum[NUM_HEADS];
     const int64_t block_stride = block_size * TOKEN_STRIDE;
     const int num_blocks = (int)((context_len + block_size - 1) / block_size);
+    /* Keys start .. context_len - 1 are visible; scores[hq * stride + (t - start)]. */
+    const int start = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+    const int first_block = (int)(start / block_size);
+    const int len = context_len - start;
     for (int i = 0; i < NUM_HEADS * HEAD_DIM; ++i) q_scaled[i] = q_row[i] * scale;
-    for (int b = 0; b < num_blocks; ++b) {
+    for (int b = first_block; b < num_blocks; ++b) {
         const int t0 = (int)(b * block_size);
-        const int n = context_len - t0 < block_size ? context_len - t0 : (int)block_size;
+        const int lo = t0 > start ? t0 : start;
+        const int hi = context_len - t0 < block_size ? context_len : t0 + (int)block_size;
         if (b + 1 < num_blocks) prefetch_block(k_cache + blocks[b + 1] * block_stride, (int)block_size);
-        score_block(k_cache + blocks[b] * block_stride, q_scaled, scores, stride, t0, n);
+        score_block(k_cache + blocks[b] * block_stride + (int64_t)(lo - t0) * TOKEN_STRIDE, q_scaled,
+                    scores, stride, lo - start, hi - lo);
     }
-    softmax_rows(scores, stride, context_len, inv_sum);
+    if (soft_cap > 0.0f) {
+        const float inv_cap = 1.0f / soft_cap;
+        for (int hq = 0; hq < NUM_HEADS; ++hq)
+            for (int t = 0; t < len; ++t) scores[hq * stride + t] = soft_cap * tanhf(scores[hq * stride + t] * inv_cap);
+    }
+    softmax_rows(scores, stride, len, inv_sum);
     for (int i = 0; i < NUM_HEADS * HEAD_DIM; ++i) acc[i] = 0.0f;
-    for (int b = 0; b < num_blocks; ++b) {
+    for (int b = first_block; b < num_blocks; ++b) {
         const int t0 = (int)(b * block_size);
-        const int n = context_len - t0 < block_size ? context_len - t0 : (int)block_size;
+        const int lo = t0 > start ? t0 : start;
+        const int hi = context_len - t0 < block_size ? context_len : t0 + (int)block_size;
         if (b + 1 < num_blocks) prefetch_block(v_cache + blocks[b + 1] * block_stride, (int)block_size);
-        accumulate_block(v_cache + blocks[b] * block_stride, scores, acc, stride, t0, n);
+        accumulate_block(v_cache + blocks[b] * block_stride + (int64_t)(lo - t0) * TOKEN_STRIDE, scores,
+                         acc, stride, lo - start, hi - lo);
     }
     for (int hq = 0; hq < NUM_HEADS; ++hq)
         for (int d = 0; d < HEAD_DIM; ++d) out_row[hq * HEAD_DIM + d] = acc[hq * HEAD_DIM + d] * inv_sum[hq];
@@ -136,7 +152,8 @@ static int rows_are_valid(int64_t num_tokens, int64_t num_blocks, int64_t block_
  * k_cache, v_cache: contiguous [num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM].
  * block_table: [num_reqs, block_table_width] int32, row stride block_table_stride.
  * token_ids, req_ids: [num_rows] int64; context_lens: [num_rows] int32, 1 <= len <=
- * max_context_len.
+ * max_context_len. sliding_window: 0, or attend to each row's last sliding_window keys only;
+ * soft_cap: 0, or cap the scaled scores at +-soft_cap with tanh.
  * Returns 0; -1 when a thread could not allocate its scores buffer (out is then incomplete);
  * -2 when an index is out of bounds (nothing is written).
  */
@@ -146,8 +163,8 @@ int paged_attention_rows_f32(const float* query, int64_t query_stride, int64_t n
                              int64_t block_table_width, int64_t block_table_stride,
                              const int64_t* token_ids, const int64_t* req_ids,
                              const int32_t* context_lens, int64_t num_rows,
-                             int64_t max_context_len, float scale, float* out,
-                             int64_t out_stride, int num_threads) {
+                             int64_t max_context_len, float scale, int sliding_window,
+                             float soft_cap, float* out, int64_t out_stride, int num_threads) {
     if (!rows_are_valid(num_tokens, num_blocks, block_size, block_table, num_reqs,
                         block_table_width, block_table_stride, token_ids, req_ids,
                         context_lens, num_rows, max_context_len))
@@ -163,7 +180,7 @@ int paged_attention_rows_f32(const float* query, int64_t query_stride, int64_t n
             if (scores == NULL) continue;
             attend_row(query + token_ids[r] * query_stride, scale, k_cache, v_cache,
                        block_table + req_ids[r] * block_table_stride, block_size, context_lens[r],
-                       scores, stride, out + token_ids[r] * out_stride);
+                       sliding_window, soft_cap, scores, stride, out + token_ids[r] * out_stride);
         }
         free(scores);
     }

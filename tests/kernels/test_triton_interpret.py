@@ -15,7 +15,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHECKS = ["store_kv_cache", "decode", "decode_gqa3_head_dim24", "prefill", "mixed",
-          "graph_padded_decode"]
+          "graph_padded_decode", "window_soft_cap"]
 
 pytest.importorskip("triton")
 

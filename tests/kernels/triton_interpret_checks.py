@@ -81,6 +81,24 @@ def check_mixed(seed: int) -> float:
     return relative_error(out, reference_attention(batch, 0.2))
 
 
+def check_window_soft_cap(seed: int) -> float:
+    """Sliding window and soft cap through the triton backend (decodes, fresh and chunked
+    prefills), the blocks before each window pointed at the NaN null block."""
+    from pdserve.kernels import ops
+    from tests.kernels.test_sliding_window import free_out_of_window_blocks
+
+    seq_lens, query_lens = [70, 37, 60, 33, 9], [1, 37, 21, 1, 1]
+    batch = make_paged_batch(seq_lens, query_lens, num_heads=4, num_kv_heads=2, head_dim=16,
+                             num_pad_tokens=1, seed=seed)
+    assert free_out_of_window_blocks(batch, 19, 16) > 0
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.attn_metadata, 0.3)
+    out = ops.paged_attention(*args, backend="triton", sliding_window=19, logits_soft_cap=2.0)
+    expected = reference.paged_attention(*args, 19, 2.0)
+    if out.isnan().any():
+        return float("nan")
+    return relative_error(out, expected)
+
+
 class _EagerGraph:
     """Stand-in for a CUDA graph (none on CPU): each replay re-runs the captured forward
     over the runner's persistent buffers into the one static output."""
@@ -138,6 +156,7 @@ def main() -> None:
         "prefill": check_prefill(seed=2),
         "mixed": check_mixed(seed=3),
         "graph_padded_decode": check_graph_padded_decode(seed=4),
+        "window_soft_cap": check_window_soft_cap(seed=5),
     }
     print(json.dumps(results))
 
