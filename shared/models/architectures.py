@@ -13,12 +13,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pdserve.shared.models.gemma_config import GEMMA_ARCHITECTURES, check_gemma_config
+
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 2/3.x, SmolLM2 (rope: default, linear, llama3)",
     "MistralForCausalLM": "Mistral (without a sliding window shorter than max_model_len)",
     "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (q/k/v bias)",
     "Qwen3ForCausalLM": "Qwen3 (per-head q/k RMSNorm)",
     "Phi3ForCausalLM": "Phi-3 (fused qkv and gate_up weights; rope default or linear)",
+    "Gemma2ForCausalLM": "Gemma 2 ((1 + w) norms, GeGLU, attention and final logit "
+                         "soft-capping, alternating local / global layers)",
+    "Gemma3ForCausalLM": "Gemma 3 text-only, e.g. gemma-3-1b ((1 + w) norms, GeGLU, q/k "
+                         "norms, local / global layers with their own rope)",
 }
 """Architecture (config.json's `architectures[0]`) -> what it covers."""
 
@@ -74,6 +80,8 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
                          f"{', '.join(SUPPORTED_ROPE_TYPES)})")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
+    if arch in GEMMA_ARCHITECTURES:
+        check_gemma_config(cfg)
     partial = float((cfg.get("rope_parameters") or {}).get(
         "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     if partial != 1.0:

@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a local HF directory (config.json + safetensors)."""
+"""Load a Llama-family or Gemma model from a local HF directory (config.json + safetensors)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 
 from pdserve.kernels import cpu_fused, cpu_linear
+from pdserve.shared.models.gemma import GemmaArgs, GemmaForCausalLM, gemma_state_dict
+from pdserve.shared.models.gemma_config import is_gemma
 from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -56,17 +58,24 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
         raise ValueError(f"quantization='int8' runs fp32 activations on the CPU; got "
                          f"dtype={dtype!r} device={device!r}")
     model_path = Path(model_path)
-    args = LlamaArgs.from_hf_config(read_hf_config(model_path))
+    cfg = read_hf_config(model_path)
     ckpt = _read_checkpoint(model_path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(args)
-    state: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
         if name not in ckpt:
             raise ValueError(f"checkpoint {model_path} lacks weight {name!r}")
         return ckpt.pop(name)
 
+    if is_gemma(cfg):
+        gemma_args = GemmaArgs.from_hf_config(cfg)
+        with torch.device("meta"):
+            gemma = GemmaForCausalLM(gemma_args)
+        return _finish_loading(gemma, gemma_state_dict(gemma_args, take), ckpt, model_path,
+                               dtype, device, quantization)
+    args = LlamaArgs.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    state: dict[str, torch.Tensor] = {}
     state["embed_tokens.weight"] = take("model.embed_tokens.weight")
     state["norm.weight"] = take("model.norm.weight")
     if not args.tie_word_embeddings:
@@ -91,6 +100,14 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
         state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
         state[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         state[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    return _finish_loading(model, state, ckpt, model_path, dtype, device, quantization)
+
+
+def _finish_loading(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
+                    ckpt: dict[str, torch.Tensor], model_path: Path, dtype: str, device: str,
+                    quantization: str) -> LlamaForCausalLM:
+    """Refuse checkpoint weights left unused, then fill the meta-built `model` from `state`
+    on `device` in `dtype` and choose its CPU fast paths (or int8)."""
     ckpt.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
     leftover = [k for k in ckpt if "rotary_emb" not in k]
     if leftover:
@@ -101,7 +118,10 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
     torch_dtype = _DTYPES[dtype]
     state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.rotary.to(device, torch_dtype)
+    if isinstance(model, GemmaForCausalLM):
+        model.move_rotary(device, torch_dtype)
+    else:
+        model.rotary.to(device, torch_dtype)
     model.set_fused_cpu_ops(cpu_fused.is_enabled())
     if quantization == "int8":
         model.quantize_int8()
