@@ -16,11 +16,12 @@ from pathlib import Path
 from pdserve.shared.models.gemma_config import GEMMA_ARCHITECTURES, check_gemma_config
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "Llama 2/3.x, SmolLM2 (rope: default, linear, llama3)",
+    "LlamaForCausalLM": "Llama 2/3.x, SmolLM2 (rope: default, linear, llama3, yarn, dynamic)",
     "MistralForCausalLM": "Mistral (without a sliding window shorter than max_model_len)",
     "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (q/k/v bias)",
     "Qwen3ForCausalLM": "Qwen3 (per-head q/k RMSNorm)",
-    "Phi3ForCausalLM": "Phi-3 (fused qkv and gate_up weights; rope default or linear)",
+    "Phi3ForCausalLM": "Phi-3 / Phi-3.5 (fused qkv and gate_up weights; rope default or "
+                       "longrope)",
     "Gemma2ForCausalLM": "Gemma 2 ((1 + w) norms, GeGLU, attention and final logit "
                          "soft-capping, alternating local / global layers)",
     "Gemma3ForCausalLM": "Gemma 3 text-only, e.g. gemma-3-1b ((1 + w) norms, GeGLU, q/k "
@@ -28,8 +29,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 """Architecture (config.json's `architectures[0]`) -> what it covers."""
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-"""`rope_scaling.rope_type` values `shared/models/rotary.py` computes exactly."""
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+"""`rope_scaling.rope_type` values `shared/models/rope_scaling.py` computes as transformers
+does (longrope up to original_max_position_embeddings only: `check_longrope_length`)."""
 
 
 def rope_type(cfg: dict) -> str:
@@ -38,6 +40,27 @@ def rope_type(cfg: dict) -> str:
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
     return str(params.get("rope_type") or params.get("type") or "default")
+
+
+def check_longrope_length(cfg: dict, arch: str, max_model_len: int) -> None:
+    """Refuse longrope past original_max_position_embeddings (`shared/models/rope_scaling.py`):
+    transformers rotates a sequence longer than it wholly with the long factors (Phi-3
+    recomputes its cache on crossing), a per-request switch pdserve does not implement yet.
+    The original length is read as transformers standardizes it (a top-level value wins;
+    Phi3Config's default is 4096)."""
+    kind = rope_type(cfg)
+    if kind != "longrope" and not (cfg.get("model_type") == "phi3" and kind == "yarn"):
+        return
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    original = cfg.get("original_max_position_embeddings",
+                       4096 if cfg.get("model_type") == "phi3" else None)
+    original = int(original or params.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 2048))
+    if max_model_len > original:
+        raise ValueError(f"{arch} with longrope past original_max_position_embeddings="
+                         f"{original} (long factors for the whole sequence) is not supported "
+                         f"yet: serve it with --max-model-len {original} or less")
 
 
 def sliding_window(cfg: dict) -> int | None:
@@ -78,6 +101,8 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} of {arch} is not supported (supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)})")
+    if max_model_len is not None:
+        check_longrope_length(cfg, arch, max_model_len)
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     if arch in GEMMA_ARCHITECTURES:

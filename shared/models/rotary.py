@@ -1,54 +1,48 @@
 """Rotary position embeddings (RoPE, Su et al. 2021) in the rotate-half layout of HF Llama.
 
-Supports rope types "default", "linear" and "llama3" (Llama 3.1's frequency smoothing).
-The cos/sin table is computed once in fp32 exactly as transformers computes it per step
-(position * inv_freq, then cos/sin), so indexing the table gives bit-identical values.
+Supports rope types "default", "linear", "llama3", "yarn", "dynamic" and "longrope", computed
+in `rope_scaling.py`. The cos/sin table is computed once in fp32 exactly as transformers
+computes it per step (position * inv_freq, then cos/sin, times the attention factor), so
+indexing the table gives bit-identical values. Each row is one position; the types whose
+frequencies transformers picks by sequence length (dynamic, longrope) are made a function of
+the position there, so the torch and fused paths read one table.
 """
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from pdserve.kernels import cpu_fused
+from pdserve.shared.models.rope_scaling import rope_kind, rope_segments
 
 
 def rope_parameters(cfg: dict) -> dict:
     """transformers 5 keeps theta and scaling in `rope_parameters`; older configs use
-    `rope_theta` + `rope_scaling`. Returns one merged dict."""
+    `rope_theta` + `rope_scaling`. Returns one merged dict, standardized as transformers'
+    `standardize_rope_params` does it: for llama3, yarn and longrope, a top-level
+    `original_max_position_embeddings` wins (Phi-3 keeps it there; Phi3Config's default is
+    4096); and Phi-3's old "su" / "yarn" types are longrope (`Phi3Config`)."""
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
     if "rope_theta" not in params and cfg.get("rope_theta") is not None:
         params["rope_theta"] = cfg["rope_theta"]
+    phi3 = cfg.get("model_type") == "phi3"
+    if phi3 and rope_kind(params) in ("su", "yarn"):
+        params["rope_type"] = "longrope"
+    if rope_kind(params) in ("llama3", "yarn", "longrope"):
+        original = cfg.get("original_max_position_embeddings", 4096 if phi3 else None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        elif cfg.get("max_position_embeddings") is not None:
+            params.setdefault("original_max_position_embeddings",
+                              cfg["max_position_embeddings"])
     return params
 
 
 def rope_theta_from_config(cfg: dict) -> float:
     return float(rope_parameters(cfg).get("rope_theta", 10000.0))
-
-
-def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
-    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if rope_type == "default":
-        return inv_freq
-    factor = float(scaling["factor"])
-    if rope_type == "linear":
-        return inv_freq / factor
-    if rope_type == "llama3":
-        low = float(scaling["low_freq_factor"])
-        high = float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
 class RotaryInputs(NamedTuple):
@@ -64,23 +58,32 @@ class RotaryInputs(NamedTuple):
 
 
 class RotaryEmbedding:
-    """Holds the [max_positions, head_dim] cos/sin tables (fp32 until `to`)."""
+    """Holds the [num_rows, head_dim] cos/sin tables (fp32 until `to`), row p for position p."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
-                 scaling: dict | None = None) -> None:
-        self.inv_freq = _inv_freq(head_dim, theta, scaling)
-        """[head_dim / 2] fp32 on the CPU, as transformers computes its buffer at load."""
+                 scaling: dict | None = None, num_rows: int | None = None) -> None:
+        """`max_positions` is the config's max_position_embeddings; the tables have
+        `num_rows` rows (default: max_positions)."""
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
         self.max_positions = max_positions
+        self.num_rows = num_rows or max_positions
         self.cos, self.sin = self._tables(torch.device("cpu"))
         self.half = head_dim // 2
         self.use_fused_cpu_ops = False
         """True: rotate in place with `kernels.cpu_fused.rotary_embedding` (fp32 CPU)."""
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(pos, self.inv_freq.to(device))  # [max_positions, head_dim / 2]
+        segments, attention_factor = rope_segments(self.head_dim, self.theta, self.scaling,
+                                                   self.max_positions, self.num_rows, device)
+        freqs = torch.cat([  # [num_rows, head_dim / 2]
+            torch.arange(start, stop, dtype=torch.float32, device=device)[:, None] * inv_freq
+            for start, stop, inv_freq in segments])
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        if attention_factor == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
 
     def to(self, device: torch.device | str, dtype: torch.dtype) -> RotaryEmbedding:
         """Move the tables to `device` in `dtype`.
