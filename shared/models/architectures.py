@@ -49,12 +49,12 @@ def check_longrope_length(cfg: dict, arch: str, max_model_len: int) -> None:
     The original length is read as transformers standardizes it (a top-level value wins;
     Phi3Config's default is 4096)."""
     kind = rope_type(cfg)
-    if kind != "longrope" and not (cfg.get("model_type") == "phi3" and kind == "yarn"):
+    phi3 = cfg.get("model_type") == "phi3" or arch == "Phi3ForCausalLM"
+    if kind != "longrope" and not (phi3 and kind == "yarn"):
         return
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
-    original = cfg.get("original_max_position_embeddings",
-                       4096 if cfg.get("model_type") == "phi3" else None)
+    original = cfg.get("original_max_position_embeddings", 4096 if phi3 else None)
     original = int(original or params.get("original_max_position_embeddings")
                    or cfg.get("max_position_embeddings", 2048))
     if max_model_len > original:

@@ -28,7 +28,8 @@ def rope_parameters(cfg: dict) -> dict:
     params.update(cfg.get("rope_parameters") or {})
     if "rope_theta" not in params and cfg.get("rope_theta") is not None:
         params["rope_theta"] = cfg["rope_theta"]
-    phi3 = cfg.get("model_type") == "phi3"
+    phi3 = (cfg.get("model_type") == "phi3"
+            or (cfg.get("architectures") or [None])[0] == "Phi3ForCausalLM")
     if phi3 and rope_kind(params) in ("su", "yarn"):
         params["rope_type"] = "longrope"
     if rope_kind(params) in ("llama3", "yarn", "longrope"):
