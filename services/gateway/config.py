@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.services.gateway.tool_parsers import TOOL_PARSERS, check_tool_call_parser
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 """Chat templates shipped with pdserve (the default model's Hermes-style tool template)."""
@@ -114,7 +116,8 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = False
     """tool_choice "auto" is served (vLLM's flag; needs `tool_call_parser`)."""
     tool_call_parser: str | None = None
-    """"hermes": the model's <tool_call> markup becomes tool_calls (vLLM's flag)."""
+    """How the model's tool-call markup becomes tool_calls (vLLM's flag and names): hermes,
+    llama3_json or mistral (services/gateway/tool_parsers/)."""
     allowed_origins: tuple[str, ...] = ("*",)
     """CORS, as vLLM's flags of the same names."""
     allowed_methods: tuple[str, ...] = ("*",)
@@ -139,9 +142,9 @@ class GatewayConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-        if self.tool_call_parser not in (None, "hermes"):
-            raise ValueError(f"--tool-call-parser must be hermes, got {self.tool_call_parser}")
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser "
+                             f"({', '.join(TOOL_PARSERS)})")
+        check_tool_call_parser(self.tool_call_parser)
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -270,9 +273,10 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    default=_env("enable_auto_tool_choice", "") not in ("", "0", "false"),
                    help='serve tool_choice "auto" (needs --tool-call-parser)')
-    g.add_argument("--tool-call-parser", choices=["hermes"],
+    g.add_argument("--tool-call-parser", metavar="{" + ",".join(TOOL_PARSERS) + "}",
                    default=_env("tool_call_parser", None),
-                   help="how tool calls are read from the model's output")
+                   help="how tool calls are read from the model's output (an unknown name "
+                        "is refused at start-up, in one line)")
     g.add_argument("--allowed-origins", type=_json_list,
                    default=_json_list(_env("allowed_origins", '["*"]')),
                    help='CORS allowed origins, a JSON list (default ["*"])')

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: marker-safe chat template, boolean logprobs + top_logprobs,
-output constraints and tools (services/gateway/tools.py, tool_parser.py)."""
+output constraints and tools (services/gateway/tools.py, tool_parsers/)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pdserve.services.gateway.serving import (
 )
 from pdserve.services.gateway.structured_outputs import resolve_structured_outputs
 from pdserve.services.gateway.tenancy import request_cache_salt
-from pdserve.services.gateway.tool_parser import ToolCallStream, extract_tool_calls
+from pdserve.services.gateway.tool_parsers import ToolCallStream, get_tool_parser
 from pdserve.services.gateway.tools import ToolMode, resolve_tool_mode, template_messages
 
 # apply_chat_template's own parameters: template variables may not override them.
@@ -50,6 +50,10 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({
 
 class ChatServing(OpenAIServing):
     route = "/v1/chat/completions"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tool_parser = get_tool_parser(self.config.tool_call_parser)
 
     async def encode_messages(self, req, tools: list | None = None) -> list[int]:
         """The prompt ids of `req.messages` (also used by /tokenize), with `tools` (the
@@ -90,7 +94,10 @@ class ChatServing(OpenAIServing):
         structured_outputs, guided_param = resolve_structured_outputs(req)
         tool_mode = resolve_tool_mode(
             req, enable_auto_tool_choice=self.config.enable_auto_tool_choice,
-            template_renders_tools=self.tokenizer.renders_tools)
+            template_renders_tools=self.tokenizer.renders_tools, parser=self.tool_parser)
+        if tool_mode is not None and tool_mode.parses_calls and \
+                not tool_mode.parser.skip_special_tokens:
+            req.skip_special_tokens = False  # the markup is a special token (vLLM's too)
         if tool_mode is not None and tool_mode.structured_outputs is not None:
             if structured_outputs is not None:
                 raise bad_request(f"{guided_param} cannot be combined with a tool_choice that "
@@ -175,7 +182,8 @@ class _ChatOutput:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
         if self.tool_mode is not None:
             for c in choices.values():
-                content, calls = extract_tool_calls(c["message"]["content"])
+                content, calls = self.tool_mode.parser.extract_tool_calls(
+                    c["message"]["content"])
                 if calls:
                     c["message"] = {"role": "assistant", "content": content,
                                     "tool_calls": [call.to_dict() for call in calls]}
@@ -216,7 +224,9 @@ class _ChatOutput:
             finish = delta.finish_reason
             pieces = [{"content": delta.text}] if delta.text else []
             if self.tool_mode is not None:
-                parser = parsers.setdefault(delta.index, ToolCallStream())
+                if delta.index not in parsers:
+                    parsers[delta.index] = self.tool_mode.parser.stream()
+                parser = parsers[delta.index]
                 pieces = parser.feed(delta.text) if delta.text else []
                 if finish is not None:
                     pieces += parser.finish()

@@ -2,19 +2,21 @@
 
     tool_choice   what the model may write                     how
     none          text (the tools still go into the prompt)    unconstrained
-    auto          text and/or Hermes tool-call markup          unconstrained, parsed after
-                  (needs --enable-auto-tool-choice --tool-call-parser hermes, as vLLM)
+    auto          text and/or tool-call markup                 unconstrained, parsed after
+                  (needs --enable-auto-tool-choice --tool-call-parser NAME, as vLLM)
     required      one or more tool calls, nothing else         structural tag (below)
     {"type": "function", "function": {"name": F}}
                   exactly one call of F                        structural tag (below)
 
-Every forced call is the Hermes markup the template shows the model, its arguments held to
-the function's parameters schema by the grammar (so they always validate):
+Every forced call is written in the markup of the server's parser (services/gateway/
+tool_parsers/; hermes when --tool-call-parser is not set), which its template shows the
+model, the arguments held to the function's parameters schema by the grammar (so they
+always validate). With hermes:
 
     <tool_call>\\n{"name": "F", "arguments": <JSON of F's parameters schema>}\\n</tool_call>
 
-(several calls, with `required`, back to back). Responses parse that markup back
-(services/gateway/tool_parser.py), for `auto` as for the forced modes.
+(several calls, with `required`, back to back). Responses parse that markup back with the
+same parser, for `auto` as for the forced modes.
 """
 
 from __future__ import annotations
@@ -25,12 +27,11 @@ from dataclasses import dataclass
 
 from pdserve.services.gateway.errors import bad_request
 from pdserve.services.gateway.protocol import ChatCompletionRequest
+from pdserve.services.gateway.tool_parsers import ToolParser, get_tool_parser
 from pdserve.shared.structured_output.params import StructuredOutputsParams, canonical_json
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-CALL_BEGIN = '<tool_call>\n{"name": "%s", "arguments": '
-CALL_END = "}\n</tool_call>"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,8 @@ class ToolMode:
     """The function a named tool_choice forces."""
     parallel: bool = True
     """`required` may make several calls (OpenAI's parallel_tool_calls)."""
+    parser: ToolParser = get_tool_parser(None)
+    """Writes the forced calls and reads the answer's calls (--tool-call-parser)."""
 
     @property
     def parses_calls(self) -> bool:
@@ -60,25 +63,11 @@ class ToolMode:
     @property
     def structured_outputs(self) -> StructuredOutputsParams | None:
         """The grammar of the forced modes (required, named); None otherwise."""
-        if self.choice == "required":
-            tags = [_call_tag(t) for t in self.tools]
-            # NOTE: no separator: after "</tool_call>" the model's own next token is "\n"
-            # far more often than its end of turn, and a "\n" separator let a small model
-            # chain calls until max_tokens.
-            fmt = {"type": "tags_with_separator", "tags": tags, "separator": "",
-                   "at_least_one": True, "stop_after_first": not self.parallel}
-        elif self.choice == "named":
-            fmt = _call_tag(next(t for t in self.tools if t.name == self.named))
-        else:
+        if self.choice not in ("required", "named"):
             return None
+        fmt = self.parser.forced_format(self.tools, self.named, self.parallel)
         return StructuredOutputsParams(structural_tag=canonical_json(
             {"type": "structural_tag", "format": fmt}))
-
-
-def _call_tag(tool: Tool) -> dict:
-    return {"type": "tag", "begin": CALL_BEGIN % tool.name,
-            "content": {"type": "json_schema", "json_schema": tool.parameters},
-            "end": CALL_END}
 
 
 def parse_tools(tools: list) -> tuple[Tool, ...]:
@@ -110,8 +99,9 @@ def parse_tools(tools: list) -> tuple[Tool, ...]:
 
 
 def resolve_tool_mode(req: ChatCompletionRequest, *, enable_auto_tool_choice: bool,
-                      template_renders_tools: bool) -> ToolMode | None:
-    """How `req` uses tools; None when it has none.
+                      template_renders_tools: bool,
+                      parser: ToolParser | None = None) -> ToolMode | None:
+    """How `req` uses tools; None when it has none. `parser`: the server's (default hermes).
 
     Raises:
         GatewayError: 400 naming `tools` or `tool_choice`.
@@ -145,7 +135,8 @@ def resolve_tool_mode(req: ChatCompletionRequest, *, enable_auto_tool_choice: bo
         raise bad_request("the chat template cannot render tools; start the server with a "
                           "tool template, e.g. --chat-template "
                           "tool_chat_template_smollm2_hermes.jinja", "tools")
-    return ToolMode(tools, choice, named, req.parallel_tool_calls is not False)
+    return ToolMode(tools, choice, named, req.parallel_tool_calls is not False,
+                    parser or get_tool_parser(None))
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict]:

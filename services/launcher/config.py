@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.services.gateway.config import add_compat_args
+from pdserve.services.gateway.tool_parsers import check_tool_call_parser
 from pdserve.shared.engine_args import EngineArgs, parse_cores
 
 
@@ -220,4 +221,5 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535, got {value}")
     if config.shutdown_timeout <= 0 or config.startup_timeout <= 0:
         raise ValueError("--shutdown-timeout and --startup-timeout must be > 0")
+    check_tool_call_parser(ns.tool_call_parser)  # before any service starts
     return config

@@ -1,4 +1,4 @@
-"""Hermes tool-call parsing (services/gateway/tool_parser.py) and tool_choice resolution
+"""Hermes tool-call parsing (services/gateway/tool_parsers/hermes.py) and tool_choice resolution
 (services/gateway/tools.py), without engines."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.protocol import ChatCompletionRequest
-from pdserve.services.gateway.tool_parser import ToolCallStream, extract_tool_calls
+from pdserve.services.gateway.tool_parsers.hermes import HermesStream, extract_tool_calls
 from pdserve.services.gateway.tools import resolve_tool_mode
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {}]}}\n' \
@@ -18,7 +18,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n":
 
 def _stream(text: str, size: int) -> tuple[str, list[dict]]:
     """(content, calls as {index: {"id", "name", "arguments"}}) reassembled from deltas."""
-    parser = ToolCallStream()
+    parser = HermesStream()
     pieces = []
     for i in range(0, len(text), size):
         pieces += parser.feed(text[i:i + size])

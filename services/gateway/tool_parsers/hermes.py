@@ -9,14 +9,25 @@ The arguments string is the model's own text between `"arguments": ` and the clo
 so a stream's argument deltas add up to exactly the non-streamed string. A call whose body
 is JSON in another shape ("arguments" first, "parameters") is parsed as JSON instead: its
 arguments are re-serialized, and a stream sends them in one delta when the call closes.
+Forced calls (tool_choice `required` or named) are written in this markup, back to back,
+as chat_templates/tool_chat_template_smollm2_hermes.jinja shows the model.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
-from typing import NamedTuple
+from typing import TYPE_CHECKING
+
+from pdserve.services.gateway.tool_parsers.base import (
+    ToolCall,
+    ToolParser,
+    new_call_id,
+    partial_suffix,
+)
+
+if TYPE_CHECKING:
+    from pdserve.services.gateway.tools import Tool
 
 START, END = "<tool_call>", "</tool_call>"
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -24,20 +35,8 @@ _CALL = re.compile(re.escape(START) + r"(.*?)" + re.escape(END), re.S)
 _END_PREFIXES = "|".join(re.escape(END[:n]) for n in range(len(END), 0, -1))
 _CLOSING_TAIL = re.compile(r"\}\s*(?:" + _END_PREFIXES + ")?$")
 """A `}` that may close the call: followed only by whitespace and a prefix of END."""
-
-
-class ToolCall(NamedTuple):
-    id: str
-    name: str
-    arguments: str
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+CALL_BEGIN = '<tool_call>\n{"name": "%s", "arguments": '
+CALL_END = "}\n</tool_call>"
 
 
 def _parse_body(body: str) -> tuple[str, str] | None:
@@ -77,7 +76,7 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return text[:start].rstrip() or None, calls
 
 
-class ToolCallStream:
+class HermesStream:
     """Turns one choice's text deltas into OpenAI chat deltas (content or tool_calls)."""
 
     def __init__(self) -> None:
@@ -97,7 +96,7 @@ class ToolCallStream:
             if not self._in_call:
                 start = self._buffer.find(START)
                 if start < 0:
-                    keep = _partial_suffix(self._buffer, START)
+                    keep = partial_suffix(self._buffer, START)
                     content = self._buffer[:len(self._buffer) - keep]
                     self._buffer = self._buffer[len(content):]
                     if content and not (self.num_calls and not content.strip()):
@@ -168,9 +167,20 @@ class ToolCallStream:
         return True
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+
+    def stream(self) -> HermesStream:
+        return HermesStream()
+
+    def call_tag(self, tool: Tool) -> dict:
+        # NOTE: no separator between forced calls: after "</tool_call>" the model's own
+        # next token is "\n" far more often than its end of turn, and a "\n" separator let
+        # a small model chain calls until max_tokens.
+        return {"type": "tag", "begin": CALL_BEGIN % tool.name,
+                "content": {"type": "json_schema", "json_schema": tool.parameters},
+                "end": CALL_END}
+
+    def extract_tool_calls(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        return extract_tool_calls(text)
