@@ -20,7 +20,11 @@ logger = logging.getLogger(__name__)
 def _cmd_convert(ns: argparse.Namespace) -> int:
     from pdserve.shared.models.convert import resolve_model_path
 
-    print(resolve_model_path(ns.model))
+    try:
+        print(resolve_model_path(ns.model))
+    except ValueError as e:  # a .gguf pdserve does not serve: one line, as serve / up
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -42,6 +42,7 @@ from pdserve.services.launcher.prereqs import (
 )
 from pdserve.services.launcher.process import ChildProcess, LogSink
 from pdserve.services.launcher.supervise import RESTARTABLE_ROLES, Backoff, Supervisor
+from pdserve.shared.models.architectures import check_model_dir
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL = 0.5
@@ -301,6 +302,11 @@ def main(ns: argparse.Namespace) -> int:
         say(f"error: {e}")
         return 1
 
+    try:  # a model pdserve does not serve (a .gguf's too, from its header): before converting
+        check_model_dir(config.engine_args.model, config.engine_args.max_model_len)
+    except ValueError as e:
+        say(f"error: {e}")
+        return 2
     try:
         if config.redis_url is None:
             ensure_redis_server(say)

@@ -120,9 +120,15 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
 
 
 def check_model_dir(model: str, max_model_len: int = 0) -> None:
-    """`check_hf_config` for a model given as a local HF directory (a name or a GGUF still
-    to convert is checked when it is loaded); `max_model_len` 0 means the engine's default
-    (the model's max_position_embeddings, at most 8192). Raises ValueError as it does."""
+    """`check_hf_config` for a model given as a local HF directory or a .gguf file (from its
+    header alone, before any conversion: `gguf_check.check_gguf`); a name is checked when it
+    is loaded. `max_model_len` 0 means the engine's default (the model's
+    max_position_embeddings, at most 8192). Raises ValueError as it does."""
+    if str(model).endswith(".gguf") and Path(model).is_file():
+        from pdserve.shared.models.gguf_check import check_gguf
+
+        check_gguf(model, max_model_len)
+        return
     config = Path(model) / "config.json"
     if not config.is_file():
         return
