@@ -105,7 +105,8 @@ class EngineCore:
             quantization=model_config.quantization,
             # NOTE: only services drain take_events() (for the Redis index); an offline
             # engine would accumulate them forever.
-            enable_kv_cache_events=enable_kv_cache_events)
+            enable_kv_cache_events=enable_kv_cache_events,
+            sliding_window=_freeing_window(self.model_runner.model, speculative_config))
         self.kv_connector = KVConnector()
         """When finished prefills' blocks are freed (held for a KV transfer until done)."""
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector)
@@ -306,3 +307,15 @@ def num_prompt_tokens_of(scheduler_output, request_ids: Container[str]) -> int:
             total += max(0, end - s.start_pos)
     return total
 
+
+
+def _freeing_window(model, speculative_config: SpeculativeConfig | None) -> int | None:
+    """The window past which the KV cache manager frees a request's blocks: the largest of
+    the model's layer windows when every layer has one; None when any layer attends fully,
+    or a draft model shares the block tables (it attends fully over them)."""
+    windows = tuple(getattr(model, "sliding_windows", ()) or ())
+    if not windows or any(w is None for w in windows):
+        return None
+    if speculative_config is not None and speculative_config.method == "draft_model":
+        return None
+    return max(windows)

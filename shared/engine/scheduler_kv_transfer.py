@@ -105,6 +105,9 @@ class KVTransferScheduling:
                 assert request.kv_transfer_params is not None
                 num_computed = request.kv_transfer_params["num_computed_tokens"]
                 request.num_computed_tokens = num_computed
+                # NOTE: blocks out of a sliding window hold what the sender's freed blocks
+                # held: freed here before caching, never cached.
+                kv.remove_skipped_blocks(request, num_computed)
                 kv.cache_blocks(request, num_computed)
                 request.status = RequestStatus.WAITING
                 self.waiting.append(request)

@@ -223,8 +223,8 @@ class BlockPool:
         stored: list[BlockHash] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.block_hash is not None:
-                continue
+            if block.block_hash is not None or block is self.null_block:
+                continue  # a hit, or out of a sliding window (freed)
             block_hash = block_hashes[i]
             if block_hash in self.cached_block_hash_to_block:
                 continue

@@ -9,6 +9,11 @@ A request's blocks, in logical order (`block_size` tokens each):
 
 Block hashes are computed incrementally (one per block that fills up) and memoized per
 request until `free(request)`, so per-step work stays O(1) per request.
+
+With a sliding window on every layer (Mistral), the blocks that fall out of the window as
+the request grows are freed and replaced by the null block in its list (vLLM v1's
+SlidingWindowManager): the attention kernels never read a block wholly before a query's
+window. A freed block that is cached stays findable until evicted.
 """
 
 from __future__ import annotations
@@ -60,11 +65,16 @@ class KVCacheManager:
         enable_caching: automatic prefix caching of full blocks.
         model_name: the served model name, an extra key of every first-block hash.
         enable_kv_cache_events: record events for `take_events()` (see BlockPool).
+        sliding_window: the window, in tokens, of the model's layers when every layer has
+            one (the largest); None (a full-attention layer anywhere): nothing is freed
+            before the request ends.
     """
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True,
                  model_name: str = "", enable_kv_cache_events: bool = True,
-                 quantization: str = "none"):
+                 quantization: str = "none", sliding_window: int | None = None):
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -79,6 +89,9 @@ class KVCacheManager:
         self._req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_block: dict[str, int] = {}
         """Leading blocks of a request already passed to cache_full_blocks."""
+        self.sliding_window = sliding_window
+        self._num_skipped_blocks: dict[str, int] = {}
+        """Leading blocks of a request out of the window: the null block in its list."""
 
     # -- prefix lookup ----------------------------------------------------------------------
 
@@ -151,6 +164,9 @@ class KVCacheManager:
                              f"num_new_computed_tokens={num_new_computed_tokens}")
         request_id = request.request_id
         req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is not None and self.sliding_window is not None:
+            # NOTE: before counting free blocks, so this step can reuse what leaves the window.
+            self.remove_skipped_blocks(request, request.num_computed_tokens)
         num_held = len(req_blocks) if req_blocks is not None else 0
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -201,6 +217,30 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
         self._num_cached_block[request.request_id] = num_full
 
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Free `request`'s blocks that no layer's window reaches any more: the next query
+        (position `num_computed_tokens`) sees keys from num_computed_tokens - W + 1 on, so
+        the blocks wholly before that become the null block in its list. A no-op without
+        a sliding window; O(blocks freed) per call."""
+        if self.sliding_window is None:
+            return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
+        first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
+        num_skip = min(first_needed // self.block_size, len(blocks))
+        done = self._num_skipped_blocks.get(request.request_id, 0)
+        if num_skip <= done:
+            return
+        null = self.block_pool.null_block
+        block_ids = self._req_to_block_ids[request.request_id]
+        freed = [blocks[i] for i in range(done, num_skip) if blocks[i] is not null]
+        for i in range(done, num_skip):
+            blocks[i] = null
+            block_ids[i] = null.block_id
+        self._num_skipped_blocks[request.request_id] = num_skip
+        self.block_pool.free_blocks(reversed(freed))
+
     def trim_blocks(self, request: Request, num_tokens: int) -> None:
         """Free `request`'s blocks past the first cdiv(num_tokens, block_size), last block
         first: the rollback of rejected speculative drafts' slots.
@@ -231,6 +271,9 @@ class KVCacheManager:
         self._req_to_block_ids.pop(request_id, None)
         self._req_to_block_hashes.pop(request_id, None)
         self._num_cached_block.pop(request_id, None)
+        if self._num_skipped_blocks.pop(request_id, 0) and blocks:
+            null = self.block_pool.null_block
+            blocks = [block for block in blocks if block is not null]
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -270,13 +313,19 @@ class KVCacheManager:
             assert self._num_cached_block.get(request_id, 0) <= len(blocks), \
                 f"{request_id}: more blocks cached than held"
             hashes = self._req_to_block_hashes.get(request_id, [])
+            num_skipped = self._num_skipped_blocks.get(request_id, 0)
             for i, block in enumerate(blocks):
+                if i < num_skipped:
+                    assert block is self.block_pool.null_block, \
+                        f"{request_id}: block {block.block_id} out of the window still held"
+                    continue
                 assert block is not self.block_pool.null_block, f"{request_id} holds block 0"
                 holders[block.block_id] += 1
                 if block.block_hash is not None:
                     assert i < len(hashes) and hashes[i] == block.block_hash, \
                         f"{request_id}: block {block.block_id} at index {i} has a foreign hash"
         assert set(self._req_to_block_ids) == set(self.req_to_blocks), "stale block id lists"
+        assert set(self._num_skipped_blocks) <= set(self.req_to_blocks), "stale skip counts"
         for block in self.block_pool.blocks[1:]:
             assert block.ref_cnt == holders[block.block_id], \
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, " \

@@ -17,7 +17,7 @@ from pdserve.shared.models.gemma_config import GEMMA_ARCHITECTURES, check_gemma_
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "Llama 2/3.x, SmolLM2 (rope: default, linear, llama3, yarn, dynamic)",
-    "MistralForCausalLM": "Mistral (without a sliding window shorter than max_model_len)",
+    "MistralForCausalLM": "Mistral (sliding-window attention)",
     "Qwen2ForCausalLM": "Qwen2 / Qwen2.5 (q/k/v bias)",
     "Qwen3ForCausalLM": "Qwen3 (per-head q/k RMSNorm)",
     "Phi3ForCausalLM": "Phi-3 / Phi-3.5 (fused qkv and gate_up weights; rope default or "
@@ -63,18 +63,26 @@ def check_longrope_length(cfg: dict, arch: str, max_model_len: int) -> None:
                          f"yet: serve it with --max-model-len {original} or less")
 
 
-def sliding_window(cfg: dict) -> int | None:
-    """The attention window a layer of this checkpoint uses, in tokens; None: full attention.
-
-    Mistral applies `sliding_window` when it is set; Qwen2 and Qwen3 only with
-    `use_sliding_window` (transformers' semantics).
-    """
+def layer_sliding_windows(cfg: dict) -> tuple[int | None, ...]:
+    """Each layer's attention window in tokens (None: full attention), as transformers
+    applies them: config `layer_types` ("sliding_attention" layers take `sliding_window`)
+    when present; else Qwen2 / Qwen3 window the layers from `max_window_layers` on, and only
+    with `use_sliding_window`; other families (Mistral) window every layer when
+    `sliding_window` is set."""
+    num_layers = int(cfg.get("num_hidden_layers") or 0)
     window = cfg.get("sliding_window")
     if not window:
-        return None
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
-        return None
-    return int(window)
+        return (None,) * num_layers
+    window = int(window)
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+    if cfg.get("model_type") in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window"):
+            return (None,) * num_layers
+        first = int(cfg.get("max_window_layers", num_layers))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
@@ -83,14 +91,12 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
 
     Args:
         cfg: the checkpoint's config.json.
-        max_model_len: the engine's; a sliding window at least this long never applies
-            (every sequence fits in it), so it is accepted. None: the window is not checked
-            (the caller checks it once the engine's length is known).
+        max_model_len: the engine's (longrope is refused past its original length);
+            None: not checked yet (the caller checks once the engine's length is known).
 
     Raises:
         ValueError: an architecture not in SUPPORTED_ARCHITECTURES, a rope type not in
-            SUPPORTED_ROPE_TYPES, MLP biases, or a sliding window shorter than
-            `max_model_len` (not implemented on the paged cache yet).
+            SUPPORTED_ROPE_TYPES, MLP biases or partial rotary embeddings.
     """
     archs = cfg.get("architectures") or ["LlamaForCausalLM"]
     arch = archs[0]
@@ -112,11 +118,6 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
     if partial != 1.0:
         raise ValueError(f"{arch} with partial_rotary_factor={partial} (rotary on part of "
                          "each head) is not supported")
-    window = sliding_window(cfg)
-    if window is not None and max_model_len is not None and window < max_model_len:
-        raise ValueError(f"{arch} uses sliding-window attention (sliding_window={window}) "
-                         f"shorter than max_model_len {max_model_len}, which pdserve does not "
-                         f"implement yet: serve it with --max-model-len {window} or less")
 
 
 def check_model_dir(model: str, max_model_len: int = 0) -> None:

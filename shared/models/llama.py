@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
-from pdserve.shared.models.architectures import check_hf_config
+from pdserve.shared.models.architectures import check_hf_config, layer_sliding_windows
 from pdserve.shared.models.layers import Int8Embedding, Linear, RMSNorm
 from pdserve.shared.models.rotary import (
     RotaryEmbedding,
@@ -55,6 +55,9 @@ class LlamaArgs:
     fused_checkpoint: bool = False
     """Phi-3: the checkpoint stores `qkv_proj` and `gate_up_proj` already fused, in this
     model's order (q, k, v rows; gate, up rows)."""
+    sliding_windows: tuple[int | None, ...] = ()
+    """Each layer's attention window in tokens, None for full attention (Mistral: all
+    layers; Qwen2/3 with use_sliding_window: from max_window_layers on); () = all full."""
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> LlamaArgs:
@@ -83,12 +86,15 @@ class LlamaArgs:
             attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
             qk_norm=is_qwen3,
             fused_checkpoint=(cfg.get("architectures") or [""])[0] == "Phi3ForCausalLM",
+            sliding_windows=layer_sliding_windows(cfg),
         )
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
+        """This layer's window in tokens (None: full attention)."""
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
         self.head_dim = args.head_dim
@@ -116,7 +122,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm.norm_torch(q), self.k_norm.norm_torch(k)  # new contiguous
         q, k = rotary.apply(q, k, rotary_inputs)
-        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = attn.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale,
+                           sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -139,9 +146,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(args)
+        self.self_attn = LlamaAttention(args, sliding_window)
         self.mlp = LlamaMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -176,8 +183,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args)
-                                    for _ in range(args.num_hidden_layers))
+        self.sliding_windows: tuple[int | None, ...] = (
+            args.sliding_windows or (None,) * args.num_hidden_layers)
+        """Each layer's attention window (None: full); the KV cache manager frees the blocks
+        that fall out of every layer's window."""
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, window)
+                                    for window in self.sliding_windows)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings,
                                       args.rope_theta, args.rope_scaling)

@@ -49,7 +49,8 @@ class CheckedAttention:
         self.metadata = metadata
         self.num_calls = 0
 
-    def forward(self, query, key, value, k_cache, v_cache, scale):
+    def forward(self, query, key, value, k_cache, v_cache, scale, sliding_window=None,
+                logits_soft_cap=None):
         out = torch.zeros_like(query)
         check_store_kv_cache_inputs(key, value, k_cache, v_cache, self.metadata.slot_mapping)
         check_paged_attention_inputs(query, k_cache, v_cache, self.metadata, out)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pdserve.shared.llm import LLM
-from pdserve.shared.models.architectures import check_hf_config, check_model_dir
+from pdserve.shared.models.architectures import check_hf_config
 from pdserve.shared.models.loader import load_model
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -42,6 +42,12 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
+    # a window of 48 tokens on every layer: prompts of 5, 37 and 200 tokens end inside it,
+    # across it and far past it, and the blocks out of it are freed as requests grow
+    "mistral-window": ("MistralConfig", {"sliding_window": 48}),
+    # Qwen2's windowed layers from max_window_layers on: one full layer, one local
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 40,
+                                     "max_window_layers": 1, "tie_word_embeddings": False}),
     "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
 }
 MAX_MODEL_LEN = 512
@@ -135,20 +141,14 @@ def test_forced_preemption_keeps_the_tokens(family, checkpoint_models):
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"architectures": ["Gemma2ForCausalLM"]}, "architecture 'Gemma2ForCausalLM' is not "
-     "supported"),
-    ({"architectures": ["Gemma3ForCausalLM"]}, "architecture 'Gemma3ForCausalLM'"),
-    ({"architectures": ["Phi3ForCausalLM"], "rope_scaling": {
-        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
-     "rope type 'longrope' of Phi3ForCausalLM"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]},
+     "architecture 'Gemma3ForConditionalGeneration' is not supported"),
+    ({"architectures": ["MambaForCausalLM"]}, "architecture 'MambaForCausalLM'"),
     ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75},
      "partial_rotary_factor=0.75"),
-    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn",
+    ({"architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "proportional",
                                                               "factor": 4.0}},
-     "rope type 'yarn' of LlamaForCausalLM is not supported"),
-    ({"architectures": ["LlamaForCausalLM"], "rope_parameters": {"rope_type": "dynamic",
-                                                                 "factor": 2.0}},
-     "rope type 'dynamic'"),
+     "rope type 'proportional' of LlamaForCausalLM is not supported"),
     ({"architectures": ["LlamaForCausalLM"], "mlp_bias": True}, "mlp_bias"),
 ])
 def test_unsupported_parts_are_refused_in_one_line(cfg, message):
@@ -157,24 +157,73 @@ def test_unsupported_parts_are_refused_in_one_line(cfg, message):
     assert "\n" not in str(info.value)
 
 
-def test_a_sliding_window_shorter_than_max_model_len_is_refused(tmp_path, prompts):
-    """Mistral's window is not implemented on the paged cache: refused unless no sequence
-    can outgrow it (--max-model-len <= window), where full attention is exact."""
-    model = build_checkpoint(tmp_path, "MistralConfig", sliding_window=64)
-    with pytest.raises(ValueError, match=r"sliding_window=64.*--max-model-len 64 or less"):
-        check_model_dir(str(tmp_path), 512)
-    with pytest.raises(ValueError, match="sliding_window=64"):
-        LLM(str(tmp_path), kv_cache_memory="64MiB", max_model_len=128)
-    # Qwen2's window applies only with use_sliding_window
-    assert check_hf_config({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-                            "sliding_window": 64, "use_sliding_window": False}, 512) is None
-    llm = LLM(str(tmp_path), kv_cache_memory="64MiB", max_model_len=64)
-    prompt = prompts[1]  # 37 + 12 tokens: inside the window
+def test_blocks_out_of_every_window_are_freed_as_requests_grow(tmp_path, prompts):
+    """Mistral windows every layer: a request holds about window / block_size blocks however
+    long it grows (the rest is the null block in its list), its tokens stay transformers',
+    and a finished request frees everything. A model with a full layer frees nothing early."""
+    window = 48
+    model = build_checkpoint(tmp_path, "MistralConfig", sliding_window=window)
+    prompt = prompts[2]  # 200 tokens, then 60 more
     with torch.inference_mode():
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
-                              do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-    assert llm.generate([prompt], greedy_params())[0].outputs[0].token_ids == want
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tmp_path), kv_cache_memory="64MiB", max_model_len=MAX_MODEL_LEN,
+              max_num_batched_tokens=64)  # a chunked prefill: windows inside the prompt too
+    kv = llm.engine.kv_cache_manager
+    assert kv.sliding_window == window
+    held: list[int] = []
+    step = llm.engine.step
+
+    def step_and_count():
+        out = step()
+        ids = [i for ids in kv._req_to_block_ids.values() for i in ids]
+        held.append(sum(1 for i in ids if i != 0))
+        kv.check_invariants()
+        return out
+
+    llm.engine.step = step_and_count
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60,
+                                                ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == want
+    block_size = kv.block_size
+    # the window's blocks, the one it starts in, and the chunk being computed
+    assert max(held[3:-1]) <= window // block_size + 1 + 64 // block_size + 1, held
+    assert max(held) < -(-(len(prompt) + 60) // block_size)
+    assert kv.num_free_blocks == kv.block_pool.num_gpu_blocks - 1
+    print("held blocks per step:", held)
+
+
+def test_only_a_model_windowed_on_every_layer_frees_blocks_early():
+    from types import SimpleNamespace
+
+    from pdserve.shared.engine.engine_core import _freeing_window
+
+    def model(*windows):
+        return SimpleNamespace(sliding_windows=windows)
+
+    assert _freeing_window(model(48, 48), None) == 48
+    assert _freeing_window(model(32, 64), None) == 64  # outside every layer's window
+    assert _freeing_window(model(None, 40), None) is None  # a full layer reads them all
+    assert _freeing_window(model(), None) is None
+    draft = SimpleNamespace(method="draft_model")
+    assert _freeing_window(model(48, 48), draft) is None  # the draft reads the tables fully
+    assert _freeing_window(model(48, 48), SimpleNamespace(method="ngram")) == 48
+
+
+def test_layer_windows_follow_transformers():
+    from pdserve.shared.models.architectures import layer_sliding_windows
+
+    assert layer_sliding_windows({"model_type": "mistral", "num_hidden_layers": 2,
+                                  "sliding_window": 4096}) == (4096, 4096)
+    # Qwen2.5 configs set a window but use_sliding_window false: full attention
+    assert layer_sliding_windows({"model_type": "qwen2", "num_hidden_layers": 2,
+                                  "sliding_window": 32768,
+                                  "use_sliding_window": False}) == (None, None)
+    assert layer_sliding_windows({"model_type": "qwen2", "num_hidden_layers": 3,
+                                  "sliding_window": 64, "use_sliding_window": True,
+                                  "max_window_layers": 1}) == (None, 64, 64)
+    assert layer_sliding_windows({"num_hidden_layers": 2, "sliding_window": 8, "layer_types": [
+        "full_attention", "sliding_attention"]}) == (None, 8)
 
 
 def test_a_weight_the_model_has_no_place_for_is_refused(tmp_path):

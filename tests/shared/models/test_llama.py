@@ -13,9 +13,12 @@ from pdserve.shared.models.rotary import RotaryEmbedding, rope_parameters
 
 
 class DenseCausalAttention:
-    """One sequence, no cache: causal SDPA over the step's own K/V (GQA expanded)."""
+    """One sequence, no cache: causal SDPA over the step's own K/V (GQA expanded); full
+    attention only (SmolLM2)."""
 
-    def forward(self, q, k, v, k_cache, v_cache, scale):
+    def forward(self, q, k, v, k_cache, v_cache, scale, sliding_window=None,
+                logits_soft_cap=None):
+        assert sliding_window is None and logits_soft_cap is None
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
