@@ -6,9 +6,9 @@ temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05) and the token ids
 turn (Llama 3.x: `<|end_of_text|>`, `<|eom_id|>`, `<|eot_id|>`), where the tokenizer names
 only one EOS. As vLLM does (`ModelConfig.get_diff_sampling_param`,
 `SamplingParams.update_from_generation_config`): a request field left unset takes the
-config's value, and the config's EOS ids other than the tokenizer's are added to the
-request's `stop_token_ids` unless `ignore_eos` (so they also wait for `min_tokens`, and a
-turn ended by one reports it as `stop_reason`).
+config's value, `max_new_tokens` caps every request's max_tokens, and the config's EOS ids
+other than the tokenizer's are added to the request's `stop_token_ids` unless `ignore_eos`
+(so they also wait for `min_tokens`, and a turn ended by one reports it as `stop_reason`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ class GenerationDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    """At most this many tokens per completion (vLLM maps it to a `max_tokens` cap)."""
     extra_eos_token_ids: tuple[int, ...] = ()
     """The config's EOS ids other than the tokenizer's (added to stop_token_ids)."""
 
@@ -78,6 +80,12 @@ def load_generation_defaults(source: str, model_path: str,
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{path}: {name} must be a number, got {value!r}")
         values[name] = int(value) if name == "top_k" else float(value)
+    max_new = config.get("max_new_tokens")
+    if max_new is not None:
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"{path}: max_new_tokens must be a positive integer, got "
+                             f"{max_new!r}")
+        values["max_new_tokens"] = max_new
     eos = config.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):

@@ -121,13 +121,22 @@ def truncate_prompt(token_ids: list[int], truncate_prompt_tokens: int | None,
 
 
 def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int, *,
-                       default: int | None, param: str = "max_tokens") -> int:
+                       default: int | None, param: str = "max_tokens",
+                       cap: int | None = None) -> int:
     """The number of tokens to generate; 400 when prompt + output cannot fit the context.
 
     Args:
         requested: the client's max_tokens (None: `default`, or all the remaining context).
         default: the endpoint's default (16 for completions, None for chat).
+        cap: the generation config's `max_new_tokens`: at most that many, whatever was asked
+            (vLLM's `get_max_tokens` takes the smallest of the limits it knows).
     """
+    tokens = _max_tokens(num_prompt_tokens, requested, max_model_len, default, param)
+    return tokens if cap is None else min(tokens, cap)
+
+
+def _max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
+                default: int | None, param: str) -> int:
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "

@@ -111,7 +111,8 @@ class ChatServing(OpenAIServing):
                                            info.max_model_len, req.truncation_side)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = resolve_max_tokens(len(prompt.token_ids), req.requested_max_tokens,
-                                        info.max_model_len, default=None, param=param)
+                                        info.max_model_len, default=None, param=param,
+                                        cap=self.generation_defaults.max_new_tokens)
         if req.use_beam_search:  # not streamed (check_beam_search)
             return await respond_beam_search(self, req, request, [prompt], [max_tokens],
                                              f"chatcmpl-{response_id(req, request)}")

@@ -92,7 +92,9 @@ class CompletionServing(OpenAIServing):
             return await respond_beam_search(
                 self, req, request, prompts,
                 [resolve_max_tokens(len(p.token_ids), req.max_tokens, max_model_len,
-                                    default=_DEFAULT_MAX_TOKENS) for p in prompts],
+                                    default=_DEFAULT_MAX_TOKENS,
+                                    cap=self.generation_defaults.max_new_tokens)
+                 for p in prompts],
                 f"cmpl-{response_id(req, request)}")
         # NOTE: echo with max_tokens 0 generates nothing, but the prompt must still fit.
         echo_only = req.echo and req.max_tokens == 0
@@ -106,7 +108,8 @@ class CompletionServing(OpenAIServing):
         sampling = [dataclasses.replace(build_sampling_params(
             req, max_tokens=resolve_max_tokens(
                 len(p.token_ids), None if echo_only else 1 if prompt_only else req.max_tokens,
-                max_model_len, default=_DEFAULT_MAX_TOKENS),
+                max_model_len, default=_DEFAULT_MAX_TOKENS,
+                cap=self.generation_defaults.max_new_tokens),
             logprobs=req.logprobs, vocab_size=self.tokenizer.vocab_size, max_n=self.config.max_n,
             structured_outputs=structured_outputs, bad_words_token_ids=bad_words_token_ids,
             defaults=self.generation_defaults),

@@ -78,3 +78,22 @@ async def test_the_engines_get_the_defaults_through_the_gateway(cluster, model_d
     got = (round(sent.temperature, 4), round(sent.top_p, 4), sent.top_k,
            round(sent.repetition_penalty, 4), list(sent.stop_token_ids))
     assert got == want
+
+
+def test_max_new_tokens_caps_every_request(tmp_path):
+    """vLLM maps the config's max_new_tokens to a max_tokens cap: an unset max_tokens takes
+    it (chat: instead of the whole remaining context), a larger one is lowered to it."""
+    from pdserve.services.gateway.sampling import resolve_max_tokens
+
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 32}')
+    defaults = load_generation_defaults("auto", str(tmp_path), 2)
+    assert defaults.max_new_tokens == 32
+    cap = defaults.max_new_tokens
+    assert resolve_max_tokens(10, None, 2048, default=None, cap=cap) == 32
+    assert resolve_max_tokens(10, 100, 2048, default=None, cap=cap) == 32
+    assert resolve_max_tokens(10, 5, 2048, default=None, cap=cap) == 5
+    assert resolve_max_tokens(10, None, 2048, default=16, cap=cap) == 16
+    assert resolve_max_tokens(2040, None, 2048, default=None, cap=cap) == 8
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 0}')
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+        load_generation_defaults("auto", str(tmp_path), 2)

@@ -49,6 +49,8 @@ FAMILIES = {
     "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 40,
                                      "max_window_layers": 1, "tie_word_embeddings": False}),
     "phi3": ("Phi3Config", {"sliding_window": None, "pad_token_id": 0}),
+    # Phi-3-mini-4k windows every layer (2047 tokens there)
+    "phi3-window": ("Phi3Config", {"sliding_window": 40, "pad_token_id": 0}),
 }
 MAX_MODEL_LEN = 512
 MAX_TOKENS = 12
