@@ -76,6 +76,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         bar.set_postfix_str(steps[1])
         config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         for key, value in overrides.items():
+            if key == "rope_parameters" and "rope_type" in value:  # flat: over the loader's
+                value = {**(config.rope_parameters or {}), **value}  # (Phi-3's partial factor)
             setattr(config, key, value)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, config=config, dtype="float32")

@@ -9,12 +9,14 @@ arrays such as the vocabulary are skipped, never decoded) in order to
 - recover what transformers' loader drops although the tokens depend on it (`gguf_hf_config`):
   llama.cpp writes linear rope scaling as metadata and Llama 3's rope scaling as a
   `rope_freqs` tensor of per-frequency divisors (transformers reads neither, and would serve
-  the default rope), an explicit head_dim as `attention.key_length` (transformers reads it for
-  none of these families), and Phi-3's sliding window.
+  the default rope), an explicit head_dim as `attention.key_length` (transformers reads it
+  only for Gemma), Phi-3's sliding window, and what llama.cpp fixes for Gemma 2 / 3 without
+  writing it (`_gemma_config`).
 
     GGUF general.architecture   transformers builds        llama.cpp writes as it
     llama                       LlamaForCausalLM           Llama 2/3.x, SmolLM2, Mistral
     qwen2 / qwen3 / phi3        Qwen2 / Qwen3 / Phi3ForCausalLM
+    gemma2 / gemma3             Gemma2ForCausalLM / Gemma3ForCausalLM (text-only)
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 """GGUF architecture -> the HF architecture transformers converts it to; each one proven token
-for token by tests/shared/models/test_gguf_families.py. Others (gemma2, gemma3, falcon, ...)
-are refused until a test proves their conversion. A Mistral GGUF is a llama one (as llama.cpp
-writes it) and becomes a LlamaForCausalLM, the same computation without a sliding window."""
+for token by tests/shared/models/test_gguf_families.py. Others (falcon, gpt2, mamba, ...) are
+refused until a test proves their conversion. Gemma 2 / 3 take llama.cpp's fixed choices, which
+transformers' loader leaves at its own defaults (`_gemma_config`). A Mistral GGUF is a llama
+one (as llama.cpp writes it) and becomes a LlamaForCausalLM, the same computation without a
+sliding window."""
 
 GGUF_ROPE_SCALINGS = ("none", "linear", "llama3")
 """Rope scalings recovered exactly from a GGUF (llama3: from its `rope_freqs` tensor)."""
@@ -145,7 +151,7 @@ def read_float_tensor(header: GGUFHeader, name: str) -> list[float]:
         return list(struct.unpack(fmt, f.read(struct.calcsize(fmt))))
 
 
-ONLY_CHECKED = ("architectures", "model_type", "max_position_embeddings")
+ONLY_CHECKED = ("architectures", "model_type", "max_position_embeddings", "num_hidden_layers")
 """Entries of `gguf_hf_config` that transformers' loader already sets right."""
 
 
@@ -172,18 +178,52 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
     heads = max(int(header.get("attention.head_count", 1)), 1)
     head_dim = int(header.get("attention.key_length") or hidden // heads)
     cfg: dict[str, Any] = {"architectures": [hf_arch], "model_type": arch,
-                           "max_position_embeddings": int(header.get("context_length", 2048))}
+                           "max_position_embeddings": int(header.get("context_length", 2048)),
+                           "num_hidden_layers": int(header.get("block_count", 0))}
     if header.get("attention.key_length") is not None or arch == "qwen3":
         cfg["head_dim"] = head_dim  # Qwen3Config's default (128) is not hidden // heads
     rotary = header.get("rope.dimension_count")
     if arch == "phi3" and rotary is not None and int(rotary) != head_dim:
         cfg["partial_rotary_factor"] = int(rotary) / head_dim
-    rope = _rope_parameters(header, head_dim)
-    if rope is not None:
-        cfg["rope_parameters"] = rope
+    theta = float(header.get("rope.freq_base", 10000.0))
+    cfg["rope_parameters"] = (_rope_parameters(header, head_dim)
+                              or {"rope_type": "default", "rope_theta": theta})
     window = header.get("attention.sliding_window")
     if window:  # llama.cpp writes 0 for "none" (Phi-4)
         cfg["sliding_window"] = int(window)
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma_config(header, head_dim, cfg["rope_parameters"]))
+    return cfg
+
+
+def _gemma_config(header: GGUFHeader, head_dim: int, rope: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma 2 / 3 instead of reading it from the file
+    (llama-model.cpp), which transformers' loader leaves at its config class's defaults:
+
+    - queries scaled by 1 / sqrt(head_dim); by 1 / sqrt(hidden / heads) for the 27B models
+      (46 / 62 layers) -- transformers' default query_pre_attn_scalar is 256;
+    - layer il local (sliding) when il % 2 < 1 (Gemma 2) or il % 6 < 5 (Gemma 3);
+    - Gemma 2's soft-caps from the file (50 and 30 when absent); Gemma 3 has none;
+    - Gemma 3's local layers rotate with base 10000, unscaled; the file's rope (its base and
+      linear scaling) is the global layers' (transformers would drop the scaling).
+    """
+    arch, layers = header.architecture, int(header.get("block_count", 0))
+    heads = max(int(header.get("attention.head_count", 1)), 1)
+    big = layers == (46 if arch == "gemma2" else 62)
+    period = 2 if arch == "gemma2" else 6
+    cfg: dict[str, Any] = {
+        "query_pre_attn_scalar": int(header.get("embedding_length", 0)) // heads if big
+        else head_dim,
+        "layer_types": ["sliding_attention" if i % period < period - 1 else "full_attention"
+                        for i in range(layers)]}
+    if arch == "gemma2":
+        cfg["attn_logit_softcapping"] = float(header.get("attn_logit_softcapping", 50.0))
+        cfg["final_logit_softcapping"] = float(header.get("final_logit_softcapping", 30.0))
+    else:
+        cfg["attn_logit_softcapping"] = cfg["final_logit_softcapping"] = None
+        cfg["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": rope}
     return cfg
 
 

@@ -1,7 +1,8 @@
 """Write a transformers model as a GGUF file the way llama.cpp's convert_hf_to_gguf.py does
 (tests only): its tensor names (`blk.N.attn_q.weight`, ...), its metadata keys, its Q/K row
-permutation for the llama architecture, Llama 3's rope scaling as a `rope_freqs` tensor, and
-SmolLM2's tokenizer (gpt2-style BPE) as llama.cpp wrote it into SmolLM2's own GGUF.
+permutation for the llama architecture, Gemma's norms stored as 1 + w, Llama 3's rope scaling
+as a `rope_freqs` tensor, and SmolLM2's tokenizer (gpt2-style BPE) as llama.cpp wrote it into
+SmolLM2's own GGUF.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "phi3": "phi3"}
+             "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 """transformers model_type -> the GGUF architecture llama.cpp writes it as."""
 
 
@@ -69,6 +70,7 @@ def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
                                cfg.hidden_size)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     rope = dict(cfg.rope_parameters or {})
+    rope = dict(rope.get("full_attention") or rope)  # Gemma 3: the file's rope is the global
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_context_length(cfg.max_position_embeddings)
@@ -91,6 +93,11 @@ def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
         w.add_rope_dimension_count(int(getattr(cfg, "partial_rotary_factor", 1.0) * head_dim))
         w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
         w.add_sliding_window(cfg.sliding_window or 0)
+    if arch in ("gemma2", "gemma3"):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -111,6 +118,8 @@ def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
             data = permute_qk(data, heads)
         elif arch == "llama" and ".attn_k" in gguf_name:
             data = permute_qk(data, kv_heads)
+        elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
         tensors[f"{gguf_name}.{suffix}"] = data.astype(dtype) if data.ndim == 2 else data
     for tensor_name, data in tensors.items():
         w.add_tensor(tensor_name, np.ascontiguousarray(data))

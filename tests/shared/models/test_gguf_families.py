@@ -34,14 +34,28 @@ from tests.shared.models.gguf_writer import (
     write_header_only_gguf,
 )
 from tests.shared.models.test_architectures import FAMILIES, build_checkpoint
+from tests.shared.models.test_gemma import build_gemma_checkpoint
 
 pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model
 
-GGUF_FAMILIES = ("llama", "llama3-rope", "llama-linear-rope", "qwen2", "qwen3", "mistral",
-                 "phi3")
+GEMMA = dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=32)
+GGUF_FAMILIES = {
+    **{name: FAMILIES[name] for name in ("llama", "llama3-rope", "llama-linear-rope", "qwen2",
+                                         "qwen3", "mistral", "phi3")},
+    "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 8.0,
+                                "final_logit_softcapping": 5.0}),
+    "gemma3": ("Gemma3TextConfig", {**GEMMA, "num_hidden_layers": 6, "tie_word_embeddings": False,
+                                    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+}
 """Every family of FAMILIES: llama (tied embeddings; the others untied), Llama 3 and linear
 rope scaling, Mistral (llama.cpp writes it as a llama GGUF), Qwen2, Qwen3 (head_dim 32, not
-hidden / heads: read from attention.key_length), Phi-3 (fused qkv and gate_up)."""
+hidden / heads: read from attention.key_length), Phi-3 (fused qkv and gate_up); and Gemma 2 / 3
+as test_gemma.py builds them (random (1 + w) norms, soft-caps, a 32-token window the 41-token
+prompt crosses, Gemma 3's linear-scaled global rope), within what a GGUF can say: llama.cpp
+fixes the query scale to 1 / sqrt(head_dim), Gemma 3's local rope base to 10000 and its layer
+pattern to five local layers, then one global."""
 MAX_TOKENS = 10
 
 
@@ -57,10 +71,11 @@ def serve(path: Path, cache: Path, **kw) -> LLM:
         return LLM(str(path), kv_cache_memory="64MiB", max_model_len=256, **kw)
 
 
-@pytest.mark.parametrize("name", GGUF_FAMILIES)
+@pytest.mark.parametrize("name", list(GGUF_FAMILIES))
 def test_a_gguf_gives_transformers_tokens(name, tmp_path, gguf_cache):
-    config_class, extra = FAMILIES[name]
-    model = build_checkpoint(tmp_path / "hf", config_class, **extra)
+    config_class, extra = GGUF_FAMILIES[name]
+    build = build_gemma_checkpoint if name.startswith("gemma") else build_checkpoint
+    model = build(tmp_path / "hf", config_class, **extra)
     path = write_gguf(model, tmp_path / f"tiny-{name}.gguf",
                       name="Mistral Tiny" if name == "mistral" else "tiny")
     g = torch.Generator().manual_seed(3)
@@ -103,7 +118,7 @@ def test_llama3_rope_comes_back_from_rope_freqs(rope, head_dim):
 UNSUPPORTED = [
     ("mamba", {}, "GGUF architecture 'mamba' is not supported"),
     ("gpt2", {}, "GGUF architecture 'gpt2' is not supported"),
-    ("gemma2", {}, "GGUF architecture 'gemma2' is not supported"),
+    ("falcon", {}, "GGUF architecture 'falcon' is not supported"),
     ("llama", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0},
      "GGUF rope scaling 'yarn' of llama is not supported"),
     ("phi3", {"phi3.rope.dimension_count": 8}, "partial_rotary_factor=0.5"),
