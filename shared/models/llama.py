@@ -50,6 +50,8 @@ class LlamaArgs:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
+    o_proj_bias: bool = False
+    """Llama and Qwen3 with `attention_bias`: o_proj has a bias too (Qwen2's never does)."""
     qk_norm: bool = False
     """Qwen3: an RMSNorm over each head's q and k (weights [head_dim]) before the rotary."""
     fused_checkpoint: bool = False
@@ -84,6 +86,7 @@ class LlamaArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)) or is_qwen2,
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and not is_qwen2,
             qk_norm=is_qwen3,
             fused_checkpoint=(cfg.get("architectures") or [""])[0] == "Phi3ForCausalLM",
             sliding_windows=layer_sliding_windows(cfg),
@@ -105,7 +108,7 @@ class LlamaAttention(nn.Module):
         # concatenates the checkpoint's q_proj / k_proj / v_proj rows in that order.
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=args.attention_bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_proj_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         """Qwen3's per-head norms (None elsewhere); always the torch path (the fused C norm

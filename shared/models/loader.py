@@ -90,6 +90,8 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
             state[q + "self_attn.qkv_proj.bias"] = torch.cat(
                 [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
         state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
+        if args.o_proj_bias:
+            state[q + "self_attn.o_proj.bias"] = take(att + "o_proj.bias")
         if args.qk_norm:
             state[q + "self_attn.q_norm.weight"] = take(att + "q_norm.weight")
             state[q + "self_attn.k_norm.weight"] = take(att + "k_norm.weight")

@@ -39,6 +39,9 @@ FAMILIES = {
                                     "rope_parameters": LLAMA3_ROPE}),
     "llama-linear-rope": ("LlamaConfig", {"rope_parameters": {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+    # attention_bias: q/k/v and o biases; no GQA; head_dim apart from hidden / heads
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "num_key_value_heads": 4,
+                                   "head_dim": 48}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
