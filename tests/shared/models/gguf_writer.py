@@ -56,13 +56,14 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
-               name: str = "tiny", dtype: type = np.float32) -> Path:
+               name: str = "tiny", quant: gguf.GGMLQuantizationType | None = None) -> Path:
     """Write `model` (a transformers *ForCausalLM) to `path` as llama.cpp would.
 
     Args:
         arch: general.architecture; default: llama.cpp's for the model's type.
         name: general.name ("mistral" makes transformers load a llama file as Mistral).
-        dtype: np.float32 (F32) or np.float16 (F16) for the 2-D weights; norms stay F32.
+        quant: the type of the 2-D weights (Q8_0, Q4_1, ...: see `roundtrip`); None: F32.
+            Norms and rope factors stay F32, as llama.cpp keeps them.
     """
     cfg = model.config
     arch = arch or GGUF_ARCH[cfg.model_type]
@@ -82,7 +83,7 @@ def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == np.float16
+    w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{quant.name}") if quant is not None
                     else gguf.LlamaFileType.ALL_F32)
     if "head_dim" in cfg.to_diff_dict() or head_dim != hidden // heads:
         w.add_key_length(head_dim)  # llama.cpp: whenever config.json names head_dim
@@ -120,14 +121,28 @@ def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
             data = permute_qk(data, kv_heads)
         elif arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
-        tensors[f"{gguf_name}.{suffix}"] = data.astype(dtype) if data.ndim == 2 else data
+        tensors[f"{gguf_name}.{suffix}"] = data
     for tensor_name, data in tensors.items():
-        w.add_tensor(tensor_name, np.ascontiguousarray(data))
+        if quant is not None and data.ndim == 2:
+            w.add_tensor(tensor_name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+        else:
+            w.add_tensor(tensor_name, np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def roundtrip(model: torch.nn.Module, quant: gguf.GGMLQuantizationType) -> torch.nn.Module:
+    """`model` with each 2-D weight replaced by its `quant` blocks dequantized: the weights a
+    GGUF of that type holds (row permutations commute with the blocks, which lie in rows)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                q = gguf.quants.quantize(param.detach().float().numpy(), quant)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(q, quant)))
+    return model
 
 
 def _add_tokenizer(w: gguf.GGUFWriter) -> None:

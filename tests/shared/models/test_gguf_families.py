@@ -20,6 +20,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from pdserve.shared.llm import LLM
 from pdserve.shared.models.architectures import check_model_dir
@@ -29,6 +30,7 @@ from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.tokenizer import get_tokenizer
 from tests.shared.models.gguf_writer import (
     llama3_rope_factors,
+    roundtrip,
     smollm2_tokenizer_metadata,
     write_gguf,
     write_header_only_gguf,
@@ -73,11 +75,26 @@ def serve(path: Path, cache: Path, **kw) -> LLM:
 
 @pytest.mark.parametrize("name", list(GGUF_FAMILIES))
 def test_a_gguf_gives_transformers_tokens(name, tmp_path, gguf_cache):
+    check_tokens(name, tmp_path, gguf_cache)
+
+
+@pytest.mark.parametrize("name, quant", [("llama3-rope", GGMLQuantizationType.Q4_1),
+                                         ("qwen3", GGMLQuantizationType.Q8_0)])
+def test_a_quantized_gguf_gives_the_tokens_of_its_weights(name, quant, tmp_path, gguf_cache):
+    """Q4_1 (the default model's type; Q/K permuted before quantizing) and Q8_0: transformers
+    dequantizes them into fp32; the reference is the checkpoint with those same weights."""
+    check_tokens(name, tmp_path, gguf_cache, quant)
+
+
+def check_tokens(name: str, tmp_path: Path, gguf_cache: Path,
+                 quant: GGMLQuantizationType | None = None) -> None:
     config_class, extra = GGUF_FAMILIES[name]
     build = build_gemma_checkpoint if name.startswith("gemma") else build_checkpoint
     model = build(tmp_path / "hf", config_class, **extra)
-    path = write_gguf(model, tmp_path / f"tiny-{name}.gguf",
+    path = write_gguf(model, tmp_path / f"tiny-{name}.gguf", quant=quant,
                       name="Mistral Tiny" if name == "mistral" else "tiny")
+    if quant is not None:
+        model = roundtrip(model, quant)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (6, 41)]
     with torch.inference_mode():
