@@ -44,8 +44,9 @@ transformers' loader leaves at its own defaults (`_gemma_config`). A Mistral GGU
 one (as llama.cpp writes it) and becomes a LlamaForCausalLM, the same computation without a
 sliding window."""
 
-GGUF_ROPE_SCALINGS = ("none", "linear", "llama3")
-"""Rope scalings recovered exactly from a GGUF (llama3: from its `rope_freqs` tensor)."""
+GGUF_ROPE_SCALINGS = ("none", "linear", "llama3", "longrope")
+"""Rope scalings recovered exactly from a GGUF (llama3: from its `rope_freqs` tensor;
+longrope, Phi-3.5's: from its `rope_factors_long` / `_short` tensors)."""
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
            11: "<q", 12: "<d"}
@@ -188,6 +189,9 @@ def gguf_hf_config(header: GGUFHeader) -> dict[str, Any]:
     theta = float(header.get("rope.freq_base", 10000.0))
     cfg["rope_parameters"] = (_rope_parameters(header, head_dim)
                               or {"rope_type": "default", "rope_theta": theta})
+    if cfg["rope_parameters"]["rope_type"] == "longrope":  # Phi3Config's own (4096) wins
+        cfg["original_max_position_embeddings"] = cfg["rope_parameters"][
+            "original_max_position_embeddings"]
     window = header.get("attention.sliding_window")
     if window:  # llama.cpp writes 0 for "none" (Phi-4)
         cfg["sliding_window"] = int(window)
@@ -234,8 +238,8 @@ def _rope_parameters(header: GGUFHeader, head_dim: int) -> dict[str, Any] | None
     factor = header.get("rope.scaling.factor") or header.get("rope.scale_linear")
     if kind == "none" and factor not in (None, 1.0):
         kind = "linear"  # older files: rope.scale_linear only
-    if any(name.startswith("rope_factors_") for name in header.tensors):
-        kind = "longrope"  # Phi-3.5: per-frequency long / short factors
+    if "rope_factors_long.weight" in header.tensors:
+        return _longrope(header, theta)
     if "rope_freqs.weight" in header.tensors:
         if kind != "none":
             raise ValueError(f"GGUF rope scaling {kind!r} with a rope_freqs tensor is not "
@@ -248,6 +252,24 @@ def _rope_parameters(header: GGUFHeader, head_dim: int) -> dict[str, Any] | None
     if kind == "none" or factor in (None, 1.0):
         return None
     return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+
+
+def _longrope(header: GGUFHeader, theta: float) -> dict[str, Any]:
+    """Phi-3.5's longrope: llama.cpp writes both factor lists as tensors, the original length
+    and the attention factor it computed (longrope's; Phi-3's "yarn" also has both lists, and
+    yarn's factor: refused)."""
+    original = int(header.get("rope.scaling.original_context_length") or 4096)
+    scale = int(header.get("context_length", original)) / original
+    expected = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    attn = header.get("rope.scaling.attn_factor")
+    if attn is not None and abs(float(attn) - expected) > 1e-4 * expected:
+        raise ValueError(f"GGUF rope factors of {header.architecture} with attention factor "
+                         f"{attn:.4f} (longrope's is {expected:.4f}: Phi-3's yarn?) are not "
+                         "supported")
+    return {"rope_type": "longrope", "rope_theta": theta,
+            "long_factor": read_float_tensor(header, "rope_factors_long.weight"),
+            "short_factor": read_float_tensor(header, "rope_factors_short.weight"),
+            "original_max_position_embeddings": original}
 
 
 def _llama3_from_factors(factors: list[float], theta: float,

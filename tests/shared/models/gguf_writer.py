@@ -106,6 +106,13 @@ def write_gguf(model: torch.nn.Module, path: Path, *, arch: str | None = None,
     tensors = {}
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_factors(rope, head_dim)
+    if rope.get("rope_type") == "longrope":  # llama.cpp's Phi3MiniModel
+        original = cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+        tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     names = gguf.get_tensor_name_map(
         next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), cfg.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():

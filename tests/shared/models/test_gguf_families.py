@@ -37,6 +37,7 @@ from tests.shared.models.gguf_writer import (
 )
 from tests.shared.models.test_architectures import FAMILIES, build_checkpoint
 from tests.shared.models.test_gemma import build_gemma_checkpoint
+from tests.shared.models.test_rope_scaling import FAMILIES as ROPE_FAMILIES
 
 pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model
 
@@ -44,6 +45,7 @@ GEMMA = dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=32)
 GGUF_FAMILIES = {
     **{name: FAMILIES[name] for name in ("llama", "llama3-rope", "llama-linear-rope", "qwen2",
                                          "qwen3", "mistral", "phi3")},
+    "phi3-longrope": ROPE_FAMILIES["longrope"][:2],
     "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 8.0,
                                 "final_logit_softcapping": 5.0}),
     "gemma3": ("Gemma3TextConfig", {**GEMMA, "num_hidden_layers": 6, "tie_word_embeddings": False,
@@ -53,7 +55,8 @@ GGUF_FAMILIES = {
 }
 """Every family of FAMILIES: llama (tied embeddings; the others untied), Llama 3 and linear
 rope scaling, Mistral (llama.cpp writes it as a llama GGUF), Qwen2, Qwen3 (head_dim 32, not
-hidden / heads: read from attention.key_length), Phi-3 (fused qkv and gate_up); and Gemma 2 / 3
+hidden / heads: read from attention.key_length), Phi-3 (fused qkv and gate_up) and Phi-3.5's
+longrope (test_rope_scaling.py's, attention factor from 256 / 64); and Gemma 2 / 3
 as test_gemma.py builds them (random (1 + w) norms, soft-caps, a 32-token window the 41-token
 prompt crosses, Gemma 3's linear-scaled global rope), within what a GGUF can say: llama.cpp
 fixes the query scale to 1 / sqrt(head_dim), Gemma 3's local rope base to 10000 and its layer
@@ -67,10 +70,10 @@ def gguf_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("gguf-cache")
 
 
-def serve(path: Path, cache: Path, **kw) -> LLM:
+def serve(path: Path, cache: Path, max_model_len: int = 256) -> LLM:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PDSERVE_CACHE_DIR", str(cache))
-        return LLM(str(path), kv_cache_memory="64MiB", max_model_len=256, **kw)
+        return LLM(str(path), kv_cache_memory="64MiB", max_model_len=max_model_len)
 
 
 @pytest.mark.parametrize("name", list(GGUF_FAMILIES))
@@ -101,7 +104,8 @@ def check_tokens(name: str, tmp_path: Path, gguf_cache: Path,
         want = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
                 for p in prompts]
-    llm = serve(path, gguf_cache)
+    # longrope is served up to its original length (test_rope_scaling.py)
+    llm = serve(path, gguf_cache, 64 if name == "phi3-longrope" else 256)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want, name
     converted = Path(llm.model_config.model_path)
