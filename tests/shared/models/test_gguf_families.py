@@ -43,8 +43,9 @@ pytestmark = pytest.mark.fp32_only  # the reference is transformers' fp32 model
 
 GEMMA = dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=32)
 GGUF_FAMILIES = {
-    **{name: FAMILIES[name] for name in ("llama", "llama3-rope", "llama-linear-rope", "qwen2",
-                                         "qwen3", "mistral", "phi3")},
+    **{name: FAMILIES[name] for name in ("llama", "llama3-rope", "llama-linear-rope",
+                                         "llama-bias", "qwen2", "qwen3", "mistral", "phi3",
+                                         "phi3-window")},
     "phi3-longrope": ROPE_FAMILIES["longrope"][:2],
     "gemma2": ("Gemma2Config", {**GEMMA, "attn_logit_softcapping": 8.0,
                                 "final_logit_softcapping": 5.0}),
@@ -54,13 +55,14 @@ GGUF_FAMILIES = {
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
 }
 """Every family of FAMILIES: llama (tied embeddings; the others untied), Llama 3 and linear
-rope scaling, Mistral (llama.cpp writes it as a llama GGUF), Qwen2, Qwen3 (head_dim 32, not
-hidden / heads: read from attention.key_length), Phi-3 (fused qkv and gate_up) and Phi-3.5's
-longrope (test_rope_scaling.py's, attention factor from 256 / 64); and Gemma 2 / 3
-as test_gemma.py builds them (random (1 + w) norms, soft-caps, a 32-token window the 41-token
-prompt crosses, Gemma 3's linear-scaled global rope), within what a GGUF can say: llama.cpp
-fixes the query scale to 1 / sqrt(head_dim), Gemma 3's local rope base to 10000 and its layer
-pattern to five local layers, then one global."""
+rope scaling, q/k/v/o biases (llama.cpp permutes the q/k ones too) with head_dim 48, Mistral
+(llama.cpp writes it as a llama GGUF), Qwen2, Qwen3 (head_dim 32, not hidden / heads: read from
+attention.key_length), Phi-3 (fused qkv and gate_up; with a 40-token window, which the
+41-token prompt crosses, as Phi-3-mini-4k's 2047) and Phi-3.5's longrope (test_rope_scaling.py's,
+attention factor from 256 / 64); and Gemma 2 / 3 as test_gemma.py builds them (random (1 + w)
+norms, soft-caps, a 32-token window the 41-token prompt crosses, Gemma 3's linear-scaled global
+rope), within what a GGUF can say: llama.cpp fixes the query scale to 1 / sqrt(head_dim), Gemma
+3's local rope base to 10000 and its layer pattern to five local layers, then one global."""
 MAX_TOKENS = 10
 
 
