@@ -24,10 +24,30 @@ def read_hf_config(model_path: str | Path) -> dict:
         return json.load(f)
 
 
-def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_path.glob("*.safetensors"))
+def checkpoint_files(model_path: Path) -> list[Path]:
+    """The safetensors files holding the checkpoint: those `model.safetensors.index.json`
+    names when it exists (Mistral's repositories also ship `consolidated.safetensors`, the
+    same weights under other names, beside the shards), else every `*.safetensors`.
+
+    Raises:
+        FileNotFoundError: no safetensors file, or one the index names is missing.
+    """
+    index = model_path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        files = [model_path / name for name in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names {missing[0]}, which is not in {model_path}")
+    else:
+        files = sorted(model_path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    return files
+
+
+def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
+    files = checkpoint_files(model_path)
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
