@@ -130,6 +130,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     from pdserve.shared.engine.engine_core import apply_cpu_placement
     from pdserve.shared.engine_args import EngineArgs, parse_cores
     from pdserve.shared.models.architectures import check_model_dir
+    from pdserve.shared.pooling_params import PoolerConfig, resolve_runner
 
     role = ns.serve_role
     if _crashes_once(role):
@@ -139,6 +140,12 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(ns)
         if role == "decode":
             engine_args.create_speculative_config()  # a bad key: one line and exit 2
+        if resolve_runner(engine_args.runner, engine_args.convert) == "pooling":
+            if role == "decode":
+                raise ValueError("--runner pooling: a pooling model runs on prefill instances "
+                                 "only (no decode); start `pdserve serve prefill`")
+            PoolerConfig.from_flags(engine_args.pooler_config,
+                                    engine_args.override_pooler_config)  # a bad key: exit 2
         check_model_dir(engine_args.model, engine_args.max_model_len)  # before listening
         # Bind before any thread starts (gRPC's, the engine's): threads inherit the mask.
         # The event loop's own torch work (KV chunk copies) runs on one thread: only the

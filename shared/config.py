@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from pdserve.shared.pooling_params import PoolerConfig
+
 DEFAULT_MAX_CHUNK_BYTES = (4 << 20) - (64 << 10)
 """Largest KV payload per KVChunk: under gRPC's default 4 MiB with room for the header."""
 GRPC_MESSAGE_HEADROOM = 1 << 20
@@ -99,6 +101,11 @@ class ModelConfig:
     handle carries it and it enters the prefix-cache block hashes."""
     seed: int | None = None
     """Seeds the sampler's generator of requests without a seed (--seed); None: random."""
+    runner: Literal["generate", "pooling"] = "generate"
+    """vLLM's --runner: "pooling" serves the decoder as an embedding model (prefill only,
+    shared/pooling_params.py); "generate" samples tokens."""
+    pooler_config: PoolerConfig | None = None
+    """The pooler of a pooling runner (None: generate)."""
 
 
 @dataclass(frozen=True, slots=True)

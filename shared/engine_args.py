@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
+from pdserve.shared.pooling_params import PoolerConfig, resolve_runner
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,15 @@ class EngineArgs:
     """Decode batch sizes to capture (vLLM's --cuda-graph-sizes); None: 1, 2, 4, then every
     multiple of 8 up to max_num_seqs."""
     disable_log_requests: bool = False
+    runner: str = "auto"
+    """vLLM's --runner: auto (generate, or pooling with --convert embed), generate, pooling."""
+    convert: str = "auto"
+    """vLLM's --convert: embed serves the decoder as an embedding model (--runner pooling)."""
+    pooler_config: str | dict | None = None
+    """vLLM's --pooler-config JSON: {"pooling_type": "LAST" | "MEAN" | "CLS",
+    "normalize": bool} (default LAST, normalised)."""
+    override_pooler_config: str | dict | None = None
+    """vLLM's older spelling of --pooler-config (its keys win)."""
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -175,6 +185,20 @@ class EngineArgs:
                             '{"method": "draft_model", "model": DIR, '
                             '"num_speculative_tokens": 4} '
                             '(default: off; see docs/speculative-decoding.md)')
+        g.add_argument("--runner", default=env("runner", d.runner),
+                       choices=["auto", "generate", "pooling"],
+                       help="pooling: serve the model as an embedding model (prefill only: "
+                            "/v1/embeddings, /pooling, /score, /rerank); auto: generate "
+                            "unless --convert embed")
+        g.add_argument("--convert", default=env("convert", d.convert),
+                       choices=["auto", "none", "embed"],
+                       help="embed: a decoder checkpoint as an embedding model (implies "
+                            "--runner pooling)")
+        g.add_argument("--pooler-config", default=env("pooler_config", None),
+                       help='the pooler, JSON as vLLM: {"pooling_type": "LAST" | "MEAN" | '
+                            '"CLS", "normalize": true} (default: LAST, L2-normalised)')
+        g.add_argument("--override-pooler-config", default=env("override_pooler_config", None),
+                       help="vLLM's older spelling of --pooler-config")
         g.add_argument("--cpu-cores", default=env("cpu_cores", d.cpu_cores),
                        help="cores to bind to, e.g. 0-1")
         g.add_argument("--num-threads", type=int, default=int(env("num_threads", 0)))
@@ -283,6 +307,7 @@ class EngineArgs:
             logger.warning("--gpu-memory-utilization is ignored: --kv-cache-memory (%s) sizes "
                            "the KV pool", self.kv_cache_memory)
         dtype = self.resolve_dtype(hf)
+        runner = resolve_runner(self.runner, self.convert)
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
         if self.quantization == "int8" and (self.device != "cpu" or dtype != "float32"):
@@ -311,7 +336,11 @@ class EngineArgs:
                                    max_model_len=max_model_len,
                                    vocab_size=int(hf["vocab_size"]),
                                    quantization=self.quantization,  # type: ignore[arg-type]
-                                   seed=None if self.seed is None else int(self.seed))
+                                   seed=None if self.seed is None else int(self.seed),
+                                   runner=runner,  # type: ignore[arg-type]
+                                   pooler_config=None if runner == "generate" else
+                                   PoolerConfig.from_flags(self.pooler_config,
+                                                           self.override_pooler_config))
         speculative_config = self.create_speculative_config()
         if speculative_config is not None:
             check_draft_model(speculative_config, model_config.vocab_size, max_model_len)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.shared.pooling_params import PoolingParams
 from pdserve.shared.sampling_params import SamplingParams
 
 
@@ -113,6 +114,12 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens proposed to follow the known tokens, scored by the next step
     (speculative decoding, shared/engine/spec_decode/); empty without speculation."""
+    pooling_params: PoolingParams | None = None
+    """A pooling (embedding) request: prefill only, finished with `pooled` instead of a
+    token (shared/pooling_params.py); None: a generate request."""
+    pooled: Any = None
+    """A pooling request's pooled hidden state, written by the model runner (a MEAN
+    request's running sum until its last chunk; shared/engine/pooler.py)."""
 
     @property
     def num_prompt_tokens(self) -> int:

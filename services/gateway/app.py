@@ -30,6 +30,7 @@ from pdserve.services.gateway.registry_view import RegistryView
 from pdserve.services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
 from pdserve.services.gateway.serving_chat import ChatServing
 from pdserve.services.gateway.serving_completion import CompletionServing
+from pdserve.services.gateway.serving_pooling import PoolingServing
 from pdserve.services.gateway.serving_tokenization import TokenizationServing
 from pdserve.services.gateway.shutdown import ShutdownNotice
 from pdserve.services.gateway.tokenization import GatewayTokenizer, load_tokenizer
@@ -52,6 +53,8 @@ class Gateway:
     created: int
     federation: MetricsFederation
     shutdown: ShutdownNotice
+    pooling: PoolingServing | None = None
+    """/v1/embeddings, /pooling, /score, /rerank (a --runner pooling deployment)."""
 
 
 def _connect_registry(config: GatewayConfig) -> RegistryView | None:
@@ -91,7 +94,8 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
     gateway = Gateway(config, tokenizer, channels, engine, metrics,
                       CompletionServing(config, engine, tokenizer, metrics, admission,
                                         shutdown),
-                      chat, TokenizationServing(chat), int(time.time()), federation, shutdown)
+                      chat, TokenizationServing(chat), int(time.time()), federation, shutdown,
+                      pooling=PoolingServing(config, engine, tokenizer, metrics, admission))
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -87,6 +87,16 @@ class ChannelPool:
         finally:
             self._call_done(address)
 
+    async def pool(self, address: str, request: engine_pb2.PoolRequest,
+                   request_id: str) -> engine_pb2.PoolResponse:
+        """A pooling model's request (prefill only) on a prefill instance."""
+        self._active[address] += 1
+        try:
+            return await self._get(address).prefill.Pool(
+                request, timeout=self.request_timeout, metadata=self._metadata(request_id))
+        finally:
+            self._call_done(address)
+
     def generate(self, address: str, request: engine_pb2.DecodeRequest,
                  request_id: str) -> grpc.aio.UnaryStreamCall:
         """The decode stream; iterate it, `cancel()` it to stop."""

@@ -57,6 +57,9 @@ class GatewayConfig:
     """Prefill requests this gateway may have in flight at one prefill instance; a prompt
     placed while the chosen one has this many is prefilled on its decode instance instead
     (NVIDIA Dynamo's `max_prefill_queue_size`). 0: no bound."""
+    runner: str = "generate"
+    """"pooling": the engines serve an embedding model (--runner pooling: /v1/embeddings,
+    /pooling, /score, /rerank on the prefill instances, no decode); "generate": text."""
     request_timeout: float = 600.0
     """Deadline of the Prefill and Generate calls, seconds."""
     rpc_timeout: float = 5.0
@@ -194,6 +197,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=_env("served_model_name", None))
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None),
                    help="default: what the backends report")
+    g.add_argument("--runner", default=_env("runner", "generate"),
+                   choices=["auto", "generate", "pooling"],
+                   help="pooling: the engines run --runner pooling (embeddings, score, rerank; "
+                        "prefill instances only); auto = generate")
     g.add_argument("--prefill-url", action="append", default=None,
                    help="prefill instance host:port (repeat or comma-separate)")
     g.add_argument("--decode-url", action="append", default=None,
@@ -351,7 +358,8 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         **same_names, "model_path": model_path, "served_model_name": name,
         "max_model_len": int(ns.max_model_len) if ns.max_model_len else None,
         "prefill_urls": _split_urls(prefill), "decode_urls": _split_urls(decode),
-        "redis_url": ns.redis_url or None,
+        "redis_url": ns.redis_url or None, "runner": "pooling" if ns.runner == "pooling"
+        else "generate",
         "api_key": split_api_keys(ns.api_key or _env("api_key", None)) or None,
         "admin_api_key": split_api_keys(ns.admin_api_key or _env("admin_api_key", None)) or None,
         "internal_token": ns.internal_token or None, "tokenizer": _tokenizer_dir(ns.tokenizer),

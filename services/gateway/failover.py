@@ -118,7 +118,8 @@ class EngineClient:
     async def health_report(self) -> HealthReport:
         """/health's answer (HealthTracker.report): the gateway can serve while a decode
         instance does."""
-        return await self.health.report(*await self._addresses(), self.placer.registry)
+        return await self.health.report(*await self._addresses(), self.placer.registry,
+                                        pooling=self.config.runner == "pooling")
 
     async def generate(self, engine_request_id: str, prompt_token_ids: list[int],
                        params: engine_pb2.SamplingParams, *, cache_salt: str | None,

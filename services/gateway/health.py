@@ -120,11 +120,12 @@ class HealthTracker:
             await asyncio.wait(tasks, timeout=bound)
 
     async def report(self, prefill: list[str], decode: list[str],
-                     registry: Any = None) -> HealthReport:
+                     registry: Any = None, pooling: bool = False) -> HealthReport:
         """What /health says: each instance is checked live, but for at most
         HEALTH_ROUTE_BOUND s (one that has not answered by then counts with its last known
         status). `registry`: the placer's (a RegistryView: its `is_up` and `age`), None
-        without Redis. Nothing here waits on Redis."""
+        without Redis. Nothing here waits on Redis. `pooling`: a pooling model's deployment
+        (prefill instances only): it can serve while a prefill instance does."""
         self.ensure_started()
         addresses = prefill + decode
         never_checked = any(a not in self._status for a in addresses)
@@ -135,9 +136,11 @@ class HealthTracker:
         for role, listed in (("prefill", prefill), ("decode", decode)):
             serving = sum(self.status(a) is InstanceStatus.SERVING for a in listed)
             body[role] = {"serving": serving, "instances": len(listed)}
+            if pooling and role == "decode" and not listed:
+                continue  # none needed
             if serving < len(listed) or not listed:
                 degraded[role] = f"{serving} of {len(listed)} {role} instances serving"
-        if "prefill" in degraded and body["prefill"]["serving"] == 0:
+        if "prefill" in degraded and body["prefill"]["serving"] == 0 and not pooling:
             degraded["prefill"] += ": the decode instances prefill every prompt themselves"
         if registry is None:
             body["redis"] = None
@@ -148,7 +151,7 @@ class HealthTracker:
             if not body["redis"]["up"]:
                 degraded["redis"] = ("unreachable: placing on the instances and cached prefixes "
                                      "last seen" + ("" if age is None else f", {age:.0f} s ago"))
-        can_serve = body["decode"]["serving"] > 0
+        can_serve = body["prefill" if pooling else "decode"]["serving"] > 0
         status = "unavailable" if not can_serve else "degraded" if degraded else "ok"
         return HealthReport(can_serve, {"status": status, "degraded": degraded, **body})
 

@@ -24,6 +24,12 @@ from pdserve.services.gateway.protocol import (
     ErrorResponse,
     TokenizeRequest,
 )
+from pdserve.services.gateway.protocol_pooling import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 _PUBLIC = PUBLIC_ROUTES
@@ -33,6 +39,13 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/pooling": PoolingRequest,
+    "/score": ScoreRequest,
+    "/v1/score": ScoreRequest,
+    "/rerank": RerankRequest,
+    "/v1/rerank": RerankRequest,
+    "/v2/rerank": RerankRequest,
 }
 _SUMMARIES = {
     "/v1/models": "The served model.",
@@ -44,6 +57,14 @@ _SUMMARIES = {
     "/v1/chat/completions": "OpenAI chat completions (`stream` for SSE).",
     "/tokenize": "Token ids of a prompt or of chat messages.",
     "/detokenize": "Text of token ids.",
+    "/v1/embeddings": "OpenAI embeddings (a --runner pooling deployment; else 501).",
+    "/pooling": "vLLM's pooling: the pooled hidden state of each input (--runner pooling).",
+    "/score": "vLLM's score: cosine similarity of the texts' embeddings (--runner pooling).",
+    "/v1/score": "As /score.",
+    "/rerank": "vLLM's rerank: documents by cosine similarity to the query, most relevant "
+               "first (--runner pooling).",
+    "/v1/rerank": "As /rerank.",
+    "/v2/rerank": "As /rerank.",
     "/health": "200 while a decode instance serves (it prefills locally when no prefill "
                "instance does), else 503; the body names each degraded part (no API key).",
     "/metrics": "Prometheus metrics of the gateway.",

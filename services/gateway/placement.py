@@ -210,3 +210,20 @@ class Placer:
             self.num_local_by_load += 1
             return Placement(None, decode.address)
         return Placement(prefill.address, decode.address)
+
+    async def place_prefill(self, prompt_token_ids: Sequence[int], *, model_name: str,
+                            block_size: int, cache_salt: str | None = None,
+                            avoid: Collection[str] = (), quantization: str = "none"
+                            ) -> str | None:
+        """The prefill instance for a prefill-only request (a pooling model's): the most
+        cached blocks, then least loaded, as `place`; None when none is usable."""
+        cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size,
+                                           quantization)
+        everything = await self._candidates("prefill", cached)
+        usable = self._usable(everything)
+        if not usable and everything and self.health is not None:
+            await self.health.refresh([c.address for c in everything], HEALTH_RECHECK_BOUND)
+            usable = self._usable(everything)
+        best = self._best([c for c in usable if c.address not in avoid], max(1, math.ceil(
+            MIN_CACHED_FRACTION * len(prompt_token_ids) / block_size)))
+        return None if best is None else best.address

@@ -20,6 +20,13 @@ from pdserve.services.gateway.protocol import (
     TokenizeRequest,
     parse_request,
 )
+from pdserve.services.gateway.protocol_pooling import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
+from pdserve.services.gateway.serving_pooling import not_supported
 from pdserve.services.gateway.streams import ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -67,13 +74,41 @@ async def version(request: Request) -> Response:
 
 
 async def create_completion(request: Request) -> Response:
+    _require_generate(request, "Completions")
     req = parse_request(CompletionRequest, await read_body(request))
     return await request.app.state.gateway.completion.create(req, request)
 
 
 async def create_chat_completion(request: Request) -> Response:
+    _require_generate(request, "Chat Completions")
     req = parse_request(ChatCompletionRequest, await read_body(request))
     return await request.app.state.gateway.chat.create(req, request)
+
+
+def _require_generate(request: Request, api: str) -> None:
+    """A pooling deployment (--runner pooling) generates nothing: vLLM's 501."""
+    if request.app.state.gateway.config.runner == "pooling":
+        raise not_supported(api)
+
+
+async def create_embedding(request: Request) -> Response:
+    req = parse_request(EmbeddingRequest, await read_body(request))
+    return await request.app.state.gateway.pooling.embeddings(req, request)
+
+
+async def create_pooling(request: Request) -> Response:
+    req = parse_request(PoolingRequest, await read_body(request))
+    return await request.app.state.gateway.pooling.pooling(req, request)
+
+
+async def create_score(request: Request) -> Response:
+    req = parse_request(ScoreRequest, await read_body(request))
+    return await request.app.state.gateway.pooling.score(req, request)
+
+
+async def create_rerank(request: Request) -> Response:
+    req = parse_request(RerankRequest, await read_body(request))
+    return await request.app.state.gateway.pooling.rerank(req, request)
 
 
 async def tokenize(request: Request) -> Response:
@@ -142,6 +177,13 @@ ROUTES = [
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/v1/embeddings", create_embedding, methods=["POST"]),
+    Route("/pooling", create_pooling, methods=["POST"]),
+    Route("/score", create_score, methods=["POST"]),
+    Route("/v1/score", create_score, methods=["POST"]),
+    Route("/rerank", create_rerank, methods=["POST"]),
+    Route("/v1/rerank", create_rerank, methods=["POST"]),
+    Route("/v2/rerank", create_rerank, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health, methods=["GET"]),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.services.gateway.config import add_compat_args
 from pdserve.services.gateway.tool_parsers import check_tool_call_parser
 from pdserve.shared.engine_args import EngineArgs, parse_cores
+from pdserve.shared.pooling_params import PoolerConfig, resolve_runner
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,4 +223,6 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     if config.shutdown_timeout <= 0 or config.startup_timeout <= 0:
         raise ValueError("--shutdown-timeout and --startup-timeout must be > 0")
     check_tool_call_parser(ns.tool_call_parser)  # before any service starts
+    if resolve_runner(engine_args.runner, engine_args.convert) == "pooling":  # no decode
+        PoolerConfig.from_flags(engine_args.pooler_config, engine_args.override_pooler_config)
     return config

@@ -23,11 +23,13 @@ from pdserve.services.launcher.cores import (
     Cores,
     CoreSplit,
     available_cores,
+    distribute,
     format_cores,
     split_cores,
 )
 from pdserve.shared.engine.core_share import default_board_path
 from pdserve.shared.engine_args import EngineArgs
+from pdserve.shared.pooling_params import resolve_runner
 
 ProbeKind = Literal["redis", "grpc", "http"]
 # NOTE: these describe one instance; inherited by several children they would collide
@@ -126,7 +128,10 @@ def _ports(base: int | None, n: int, picked: Iterator[int]) -> list[int]:
 def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                python: str = sys.executable) -> Plan:
     """The children for `config`; internal ports not given are picked free now."""
-    n_p, n_d = config.num_prefill, config.num_decode
+    # NOTE: a pooling model (--runner pooling / --convert embed) runs on the prefill
+    # instances only: no decode replica, the gateway serves the pooling routes.
+    pooling = resolve_runner(config.engine_args.runner, config.engine_args.convert) == "pooling"
+    n_p, n_d = config.num_prefill, 0 if pooling else config.num_decode
     wanted = sum(b is None for b in (config.prefill_port, config.prefill_metrics_port)) * n_p
     wanted += sum(b is None for b in (config.decode_port, config.decode_metrics_port)) * n_d
     wanted += int(config.redis_url is None and config.redis_port is None)
@@ -151,6 +156,9 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
         cores = tuple(config.cpu_cores or available_cores())
         split = CoreSplit([cores] * n_p, [cores] * n_d)
         share_path = config.core_share_path or default_board_path()
+    elif pooling:
+        split = CoreSplit(distribute(config.prefill_cpu_cores or config.cpu_cores
+                                     or available_cores(), n_p), [])
     elif config.cpu_split:
         split = split_cores(config.cpu_cores or available_cores(), n_p, n_d,
                             config.prefill_cpu_cores, config.decode_cpu_cores)
@@ -192,6 +200,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
             "--grace-period", f"{grace:g}"]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if pooling:
+        argv += ["--runner", "pooling"]
     argv += list(config.gateway_flags)
     env = {"PDSERVE_API_KEY": config.api_key} if config.api_key else {}
     if config.admin_api_key:

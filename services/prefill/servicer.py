@@ -55,6 +55,24 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
                     f", finished: {out.finish_reason.value}" if out.finish_reason else "")
         return response
 
+    async def Pool(self, request: pb.PoolRequest,
+                   context: grpc.aio.ServicerContext) -> pb.PoolResponse:
+        rid = request.request_id
+        try:
+            worker = self._worker(new_request=True)
+            out = await worker.pool(rid, list(request.prompt_token_ids),
+                                    request.cache_salt or None,
+                                    request.normalize if request.HasField("normalize") else None)
+        except Exception as e:
+            await abort_with(context, e, rid, "Pool")
+        params = worker.pooler_config
+        logger.debug("[%s] pooled %d tokens (%d cached)", rid, len(request.prompt_token_ids),
+                     out.num_cached_tokens)
+        return pb.PoolResponse(request_id=rid, data=out.pooled.tolist(),
+                               num_prompt_tokens=len(request.prompt_token_ids),
+                               num_cached_tokens=out.num_cached_tokens,
+                               pooling_type=params.pooling_type if params else "")
+
     async def FetchKV(self, request: pb.FetchKVRequest,
                       context: grpc.aio.ServicerContext) -> None:
         # NOTE: a coroutine writing with context.write, not an async generator: when the

@@ -26,6 +26,7 @@ import grpc
 from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.state_feed import TransferView
 from pdserve.services.common.worker import EngineWorker
+from pdserve.services.prefill.pooling import pool
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.engine.trace import now_us
 from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
@@ -50,6 +51,13 @@ class PrefillWorker(EngineWorker):
         super().__init__(*args, **kwargs)
         self.kv_connector = self.engine_core.kv_connector
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
+        self.pooler_config = self.engine_core.model_config.pooler_config
+        """The model's pooler with --runner pooling (Pool only); None: generate."""
+
+    async def pool(self, request_id: str, prompt_token_ids: list[int],
+                   cache_salt: str | None, normalize: bool | None) -> EngineCoreOutput:
+        """`services/prefill/pooling.py`'s pool(): a pooling request, prefill only."""
+        return await pool(self, request_id, prompt_token_ids, cache_salt, normalize)
 
     # -- Prefill -----------------------------------------------------------------------------
 
@@ -66,6 +74,10 @@ class PrefillWorker(EngineWorker):
             ValueError: a bad prompt (the engine's message).
             ServiceError: ALREADY_EXISTS (request id in use), ABORTED (Abort came first).
         """
+        if self.pooler_config is not None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "The model does not support generation: this instance runs "
+                               "--runner pooling (Pool only)")
         # NOTE: ids are per instance. An id released a moment ago is taken once its blocks
         # are freed (ReleaseKV answers first).
         await self._wait_freed(request_id)

@@ -15,6 +15,7 @@ from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig
 from pdserve.shared.engine.attention import PagedAttention
 from pdserve.shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
+from pdserve.shared.engine.pooler import has_pooling, pool_step
 from pdserve.shared.engine.prompt_logprobs import (
     PromptLogprobsJob,
     compute_prompt_logprobs,
@@ -137,7 +138,8 @@ class ModelRunner:
                 input_ids[a + 1:a + n] = s.spec_token_ids
             else:
                 input_ids[a:a + n] = s.request.token_slice(s.start_pos, s.start_pos + n)
-        sampled = [i for i, s in enumerate(scheduled) if s.sample]
+        sampled = [i for i, s in enumerate(scheduled) if s.sample
+                   and s.request.pooling_params is None]  # pooling: see pooler.py
         logits_indices = query_start_loc[1:][sampled] - 1
         draft_rows = None
         if verify_reqs:
@@ -174,6 +176,8 @@ class ModelRunner:
             return {}
         inputs = self.prepare_inputs(scheduler_output.scheduled)
         hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        if has_pooling(scheduler_output.scheduled):
+            pool_step(self.model.norm, hidden, scheduler_output.scheduled)
         if inputs.prompt_logprobs_jobs:
             compute_prompt_logprobs(self.model.compute_logits, hidden,
                                     inputs.prompt_logprobs_jobs)

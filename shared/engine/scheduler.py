@@ -41,6 +41,7 @@ from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, n
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.pooling_params import finish_pooling, uses_prefix_hits
 from pdserve.shared.request import Request, RequestStatus
 from pdserve.shared.stop_rules import check_stop
 
@@ -232,9 +233,9 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 admitted.append(request)  # out of the queue, not running
                 continue
             hits, num_hit_tokens = [], 0
-            # NOTE: prompt logprobs need every prompt position's logits: no prefix-cache hits.
+            # NOTE: prompt logprobs (MEAN, CLS pooling) need every position: no prefix-cache hits.
             if request.num_computed_tokens == 0 and \
-                    request.sampling_params.prompt_logprobs is None:
+                    request.sampling_params.prompt_logprobs is None and uses_prefix_hits(request):
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
             num_new_tokens = self._num_new_tokens(
                 request, request.num_computed_tokens + num_hit_tokens, token_budget)
@@ -305,6 +306,11 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             request = scheduled.request
             if not scheduled.sample or request.is_finished:
                 continue  # a prefill chunk, or aborted since schedule()
+            if request.pooling_params is not None:  # prefill only: done, with its pooled state
+                deltas.append(finish_pooling(request))  # FINISHED_STOPPED, no token
+                self._finish(request)
+                any_finished = True
+                continue
             entry = sampled.get(request.request_id)
             if entry is None:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")

@@ -64,6 +64,9 @@ class EngineCoreOutput(NamedTuple):
     """On a prefill's last output: the KV connector's params naming the blocks it holds
     for the decode side (`KVConnector.request_finished`); the prefill service replaces them
     with the `KVHandle` it answers with. None otherwise."""
+    pooled: Any = None
+    """A finished pooling request's pooled hidden state ([hidden_size] float32 tensor on
+    the CPU, normalised if asked); None for a generate request."""
 
     @property
     def finished(self) -> bool:

@@ -46,6 +46,8 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, bloc
         if bad is not None:
             raise ValueError(f"{field}: token id {bad!r} is outside the vocabulary "
                              f"[0, {vocab_size})")
+    if request.pooling_params is not None:  # prefill only: the prompt may fill the context
+        max_model_len += 1
     if num_prompt >= max_model_len:
         raise ValueError(f"prompt_token_ids: prompt length {num_prompt} of request {rid!r} "
                          f"reaches max_model_len {max_model_len} (prompt plus at least one "

@@ -201,6 +201,32 @@ class ReleaseKVResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class PoolRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "normalize")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    normalize: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class PoolResponse(_message.Message):
+    __slots__ = ("request_id", "data", "num_prompt_tokens", "num_cached_tokens", "pooling_type")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: _containers.RepeatedScalarFieldContainer[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    pooling_type: str
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., pooling_type: _Optional[str] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "kv_transfer_params", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

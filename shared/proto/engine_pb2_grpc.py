@@ -64,6 +64,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
                 _registered_method=True)
+        self.Pool = channel.unary_unary(
+                '/pdserve.v1.PrefillService/Pool',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -105,6 +110,14 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pool(self, request, context):
+        """A pooling (embedding) model's request (--runner pooling): prefill only, no token, no
+        KV transfer; answers the pooled hidden state (shared/pooling_params.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +150,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.WatchState,
                     request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
                     response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
+            ),
+            'Pool': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pool,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +319,33 @@ class PrefillService:
             '/pdserve.v1.PrefillService/WatchState',
             pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
             pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/Pool',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.FromString,
             options,
             channel_credentials,
             insecure,
