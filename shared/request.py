@@ -89,6 +89,10 @@ class Request:
     num_external_computed_tokens: int = 0
     """Tokens whose KV a transfer wrote (vLLM's name; WAITING_FOR_REMOTE_KVS requests)."""
     num_preemptions: int = 0
+    rope_long: bool = False
+    """longrope: its KV is (to be) computed with the long factors, as transformers rotates a
+    sequence longer than original_max_position_embeddings; set by the scheduler, by the
+    decode service for a received prompt that long (shared/models/rope_scaling.py)."""
     stop_reason: int | None = None
     """The stop token id that finished the request, if any."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -119,15 +119,20 @@ class DecodeWorker(EngineWorker):
         if len(handle.block_ids) != -(-num_tokens // bs):
             raise ValueError(f"kv_transfer_params.block_ids has {len(handle.block_ids)} blocks, "
                              f"{num_tokens} tokens need {-(-num_tokens // bs)}")
+        # NOTE: longrope: the prefill instance computed a prompt longer than the original
+        # length with the long factors (shared/engine/longrope.py), and hashed it so.
+        original = self.engine_core.scheduler.longrope_original
+        rope_long = original is not None and num_tokens > original
         expected = hash_request_tokens(request.token_slice(0, num_tokens), bs,
                                        block_extra_keys(self.model_name, request.cache_salt,
-                                                        self.quantization))
+                                                        self.quantization, rope_long))
         if list(handle.block_hashes) != expected:
             i = next((i for i, (a, b) in enumerate(zip(handle.block_hashes, expected)) if a != b),
                      min(len(handle.block_hashes), len(expected)))
             raise ValueError(f"kv_transfer_params.block_hashes: block {i} does not match the "
                              "prompt (another prompt, model or cache_salt)")
         request.block_hashes = expected  # verified: the KV cache manager hashes no more
+        request.rope_long = rope_long
 
     async def generate(self, request: Request,
                        handle: KVHandle | None) -> AsyncIterator[EngineCoreOutput]:

@@ -109,7 +109,9 @@ class EngineCore:
             sliding_window=_freeing_window(self.model_runner.model, speculative_config))
         self.kv_connector = KVConnector()
         """When finished prefills' blocks are freed (held for a KV transfer until done)."""
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector)
+        long_rows = self.model_runner.long_rows
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector,
+                                   long_rows.original if long_rows is not None else None)
         self.prefill_budget = (
             PrefillBudget(parallel_config.slo_tpot_s, scheduler_config.max_num_batched_tokens,
                           min_prefill_tokens=cache_config.block_size,

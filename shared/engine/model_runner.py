@@ -29,6 +29,7 @@ from pdserve.shared.engine.spec_decode.verification import (
 )
 from pdserve.shared.models.llama import LlamaArgs
 from pdserve.shared.models.loader import load_model
+from pdserve.shared.models.rotary import LongRows
 from pdserve.shared.request import TokenLogprobs
 from pdserve.shared.structured_output.manager import StructuredOutputManager
 
@@ -65,6 +66,8 @@ def determine_num_gpu_blocks(args: LlamaArgs, cache_config: CacheConfig, dtype: 
 class PreparedInputs(NamedTuple):
     input_ids: torch.Tensor
     positions: torch.Tensor
+    """[num_tokens] int64: each token's position, its row of the rotary tables (a longrope
+    request's tokens below the original length: their long rows, `use_long_rows`)."""
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     """[num_sampled] int64: the batch row of each request's last token that samples."""
@@ -77,6 +80,9 @@ class PreparedInputs(NamedTuple):
 
 
 class ModelRunner:
+    long_rows: LongRows | None = None
+    """longrope: where the rows of `Request.rope_long` tokens are; None: no such rows."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel_config: ParallelConfig,
                  structured_output: StructuredOutputManager) -> None:
@@ -88,6 +94,7 @@ class ModelRunner:
         self.model = load_model(model_config.model_path, model_config.dtype, parallel_config.device,
                                 model_config.quantization)
         self.args = self.model.args
+        self.long_rows = self.model.rotary.long_rows
         self.num_gpu_blocks = determine_num_gpu_blocks(self.args, cache_config,
                                                        model_config.dtype,
                                                        self.model.weight_bytes_saved)
@@ -128,6 +135,8 @@ class ModelRunner:
         meta, positions, query_start_loc = build_attn_metadata(
             starts, q_lens, [s.block_ids for s in scheduled], self.block_size, self.device,
             verify_reqs)
+        if self.long_rows is not None:
+            use_long_rows(positions, scheduled, query_start_loc, self.long_rows)
         input_ids = np.empty(int(query_start_loc[-1]), np.int64)
         for i, s in enumerate(scheduled):
             a, n = query_start_loc[i], s.num_scheduled_tokens
@@ -197,3 +206,15 @@ class ModelRunner:
             return group_draft_samples(draft_rows, out.sampled_token_ids, out.logprobs)
         return {req.request_id: (tok, lp) for req, tok, lp in
                 zip(inputs.sampled_requests, out.sampled_token_ids, out.logprobs)}
+
+
+def use_long_rows(positions: torch.Tensor, scheduled: list, query_start_loc: np.ndarray,
+                  long_rows: LongRows) -> None:
+    """In place: the tokens of each `rope_long` request below the original length read their
+    long rows (shared/models/rope_scaling.py); from it on, a position's row is long already.
+    Only a long request's chunks that start below it have such tokens (never a decode)."""
+    original, offset = long_rows
+    for i, s in enumerate(scheduled):
+        if s.request.rope_long and s.start_pos < original:
+            first = int(query_start_loc[i])
+            positions[first:first + min(s.num_scheduled_tokens, original - s.start_pos)] += offset

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.longrope import switch_to_long_rope
 from pdserve.shared.engine.scheduler_kv_transfer import KVTransferScheduling
 from pdserve.shared.engine.scheduler_output import (
     EngineCoreOutput,
@@ -55,13 +56,16 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         scheduler_config: token budget, max_num_seqs, max_model_len, prefill chunk cap.
         kv_cache_manager: this instance's block bookkeeping.
         kv_connector: delays the free of finished requests' blocks for a KV transfer.
+        longrope_original: a longrope model's original length, when its sequences can
+            outgrow it (`RotaryEmbedding.long_rows`; shared/engine/longrope.py); else None.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 kv_connector: KVConnector | None = None):
+                 kv_connector: KVConnector | None = None, longrope_original: int | None = None):
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
         self.kv_connector = kv_connector
+        self.longrope_original = longrope_original
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting, preempted or running) by id."""
         self.waiting: deque[Request] = deque()
@@ -191,9 +195,12 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         scheduled: list[ScheduledRequest] = []
         preempted_ids: list[str] = []
 
+        longrope = self.longrope_original
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
+            if longrope is not None:
+                switch_to_long_rope(request, longrope, kv)
             num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
                                                   token_budget)
             if num_new_tokens > 1:
@@ -202,7 +209,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                     i += 1  # a prompt chunk, and this step's prefill budget is spent
                     continue
                 prefill_budget -= num_new_tokens
-            num_spec = num_spec_tokens(request, num_new_tokens, token_budget)
+            num_spec = num_spec_tokens(request, num_new_tokens, token_budget, longrope)
             while (new_blocks := kv.allocate_slots(request, num_new_tokens + num_spec)) is None:
                 if num_spec:  # drop the drafts before preempting anyone
                     num_spec = 0
@@ -232,6 +239,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                     break  # nobody overtakes the head of the admission order
                 admitted.append(request)  # out of the queue, not running
                 continue
+            if longrope is not None:
+                switch_to_long_rope(request, longrope, kv)
             hits, num_hit_tokens = [], 0
             # NOTE: prompt logprobs (MEAN, CLS pooling) need every position: no prefix-cache hits.
             if request.num_computed_tokens == 0 and \

@@ -8,7 +8,8 @@ A request's blocks, in logical order (`block_size` tokens each):
                                              ^ only full blocks get a hash and are cached
 
 Block hashes are computed incrementally (one per block that fills up) and memoized per
-request until `free(request)`, so per-step work stays O(1) per request.
+request until `free(request)`, so per-step work stays O(1) per request. (A longrope request's
+`rope_long`, a key of its first block's hash, changes only once its blocks are freed.)
 
 With a sliding window on every layer (Mistral), the blocks that fall out of the window as
 the request grows are freed and replaced by the null block in its list (vLLM v1's
@@ -129,8 +130,8 @@ class KVCacheManager:
             bs = self.block_size
             parent = hashes[-1] if hashes else NONE_HASH
             for i in range(len(hashes), num_full):
-                extra = (block_extra_keys(self.model_name, request.cache_salt, self.quantization)
-                         if i == 0 else ())
+                extra = (block_extra_keys(self.model_name, request.cache_salt, self.quantization,
+                                          request.rope_long) if i == 0 else ())
                 parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs),
                                            extra)
                 hashes.append(parent)

@@ -16,10 +16,12 @@ Canonical encoding (all little-endian):
                 b"b" | len (u32) | raw bytes        (bytes)
                 b"i" | value (i64)                  (int, not bool)
 
-The extra keys of a first block are the served model name, the cache salt (when given) and,
-for a quantized model, `b"quantization=<mode>"` (a bytes key, so no str salt can collide
+The extra keys of a first block are the served model name, the cache salt (when given),
+for a quantized model `b"quantization=<mode>"` (a bytes key, so no str salt can collide
 with it): KV computed by int8 weights is never served to an fp32 engine or back, and fp32
-hashes are those of before quantization existed.
+hashes are those of before quantization existed; and, for a sequence a longrope model
+rotates with its long factors (`Request.rope_long`), `b"rope=long"`: long and short KV of
+one prefix differ, and are never served for each other.
 
 NOTE: changing any of this changes every hash; the golden values pinned in
 tests/shared/kv_cache/test_prefix_hash.py make that a deliberate, visible edit.
@@ -109,13 +111,16 @@ def hash_request_tokens(
 
 
 def block_extra_keys(model_name: str, cache_salt: str | None,
-                     quantization: str = "none") -> tuple[ExtraKey, ...]:
+                     quantization: str = "none", rope_long: bool = False) -> tuple[ExtraKey, ...]:
     """The extra keys of a request's first block: the served model name, then the salt, then
-    the weights' quantization unless "none" (or "", a peer that predates the field).
+    the weights' quantization unless "none" (or "", a peer that predates the field), then
+    `b"rope=long"` for KV rotated with longrope's long factors.
 
     A missing salt is left out rather than encoded as "", so `None` and `""` stay distinct.
     """
     keys: tuple[ExtraKey, ...] = (model_name,) if cache_salt is None else (model_name, cache_salt)
     if quantization not in ("", "none"):
         keys += (b"quantization=" + quantization.encode("utf-8"),)
+    if rope_long:
+        keys += (b"rope=long",)
     return keys

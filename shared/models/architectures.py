@@ -31,7 +31,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 """`rope_scaling.rope_type` values `shared/models/rope_scaling.py` computes as transformers
-does (longrope up to original_max_position_embeddings only: `check_longrope_length`)."""
+does (longrope past original_max_position_embeddings too: shared/engine/longrope.py)."""
 
 
 def rope_type(cfg: dict) -> str:
@@ -40,27 +40,6 @@ def rope_type(cfg: dict) -> str:
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
     return str(params.get("rope_type") or params.get("type") or "default")
-
-
-def check_longrope_length(cfg: dict, arch: str, max_model_len: int) -> None:
-    """Refuse longrope past original_max_position_embeddings (`shared/models/rope_scaling.py`):
-    transformers rotates a sequence longer than it wholly with the long factors (Phi-3
-    recomputes its cache on crossing), a per-request switch pdserve does not implement yet.
-    The original length is read as transformers standardizes it (a top-level value wins;
-    Phi3Config's default is 4096)."""
-    kind = rope_type(cfg)
-    phi3 = cfg.get("model_type") == "phi3" or arch == "Phi3ForCausalLM"
-    if kind != "longrope" and not (phi3 and kind == "yarn"):
-        return
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    original = cfg.get("original_max_position_embeddings", 4096 if phi3 else None)
-    original = int(original or params.get("original_max_position_embeddings")
-                   or cfg.get("max_position_embeddings", 2048))
-    if max_model_len > original:
-        raise ValueError(f"{arch} with longrope past original_max_position_embeddings="
-                         f"{original} (long factors for the whole sequence) is not supported "
-                         f"yet: serve it with --max-model-len {original} or less")
 
 
 def layer_sliding_windows(cfg: dict) -> tuple[int | None, ...]:
@@ -91,8 +70,8 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
 
     Args:
         cfg: the checkpoint's config.json.
-        max_model_len: the engine's (longrope is refused past its original length);
-            None: not checked yet (the caller checks once the engine's length is known).
+        max_model_len: the engine's, or None when not known yet. No check depends on it
+            now (longrope is served past its original length: shared/engine/longrope.py).
 
     Raises:
         ValueError: an architecture not in SUPPORTED_ARCHITECTURES, a rope type not in
@@ -107,8 +86,6 @@ def check_hf_config(cfg: dict, max_model_len: int | None = None) -> None:
     if kind not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {kind!r} of {arch} is not supported (supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)})")
-    if max_model_len is not None:
-        check_longrope_length(cfg, arch, max_model_len)
     if cfg.get("mlp_bias"):
         raise ValueError(f"{arch} with mlp_bias=true is not supported")
     if arch in GEMMA_ARCHITECTURES:

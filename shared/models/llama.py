@@ -217,7 +217,9 @@ class LlamaForCausalLM(nn.Module):
 
         Args:
             input_ids: [num_tokens] int64.
-            positions: [num_tokens] int64, each token's position in its sequence.
+            positions: [num_tokens] int64, each token's position in its sequence: its row of
+                the rotary tables (read by nothing else), a long row for a longrope request
+                rotated with the long factors (`RotaryEmbedding.long_rows`).
             kv_caches: per layer (k_cache, v_cache), each
                 [num_blocks, block_size, num_kv_heads, head_dim].
             attn: the step's attention object (`shared.engine.attention.PagedAttention`),

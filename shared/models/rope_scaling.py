@@ -6,11 +6,11 @@ A table row is one position. default, linear, llama3 and yarn rotate every posit
 inverse-frequency vector, computed at load. dynamic and longrope depend, in transformers, on
 the length of the sequence in each forward pass (its `dynamic_rope_update`); here row p holds
 what transformers' rotary gives position p as the last position of its forward pass, as in
-each of its decode steps:
+each of its decode steps, and longrope adds the long rows of the positions below orig:
 
-    rows   0 .................. orig-1 | orig ............... num_rows-1
-    longrope  short_factor             | long_factor
-    dynamic   theta (= default)        | NTK base for seq_len p + 1, one per row
+    rows   0 .............. orig-1 | orig ........... num_rows-1 | num_rows ... num_rows+orig-1
+    longrope  short_factor         | long_factor                 | long_factor, positions 0..orig-1
+    dynamic   theta (= default)    | NTK base for seq_len p + 1, one per row
 
 What that serves, against transformers' `generate`:
 - dynamic (orig = max_position_embeddings): exact, as the engine keeps max_model_len <=
@@ -18,12 +18,14 @@ What that serves, against transformers' `generate`:
   in a table built longer (`num_rows`); a prompt that long would differ from `generate`,
   which rotates all of it with the base of its whole length, while each decode step past it
   equals these rows.
-- longrope (orig = original_max_position_embeddings): exact up to orig, all short factors.
-  Past it transformers rotates the whole sequence with the long factors (a longer prompt
-  at once; Phi-3's `prepare_inputs_for_generation` recomputes the cache of a sequence that
-  crosses orig), a per-request switch the position-indexed table cannot express, so
-  `architectures.check_longrope_length` refuses a max_model_len past orig; the long rows
-  are never read while it does.
+- longrope (orig = original_max_position_embeddings): transformers rotates a forward pass
+  whose last position is below orig with the short factors, a longer one wholly with the
+  long factors, and Phi-3's `prepare_inputs_for_generation` recomputes the cache of a
+  sequence that grows past orig with them. The engine serves that per request: a request
+  longer than orig is "long" (`Request.rope_long`: the scheduler recomputes it from position
+  0 when it crosses orig) and the model runner gives its tokens below orig the rows
+  `position + num_rows` (`RotaryEmbedding.long_rows`); every other token reads row
+  `position`. Exact at every length.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ import torch
 
 
 class RopeSegment(NamedTuple):
-    """Table rows [start, stop) and their inverse frequencies: [head_dim / 2] for all of them,
-    or [stop - start, head_dim / 2], one per row."""
+    """Table rows [start, stop), the positions first_position, first_position + 1, ..., and
+    their inverse frequencies: [head_dim / 2] for all of them, or [stop - start,
+    head_dim / 2], one per row."""
 
     start: int
     stop: int
     inv_freq: torch.Tensor
+    first_position: int
 
 
 def rope_kind(scaling: dict | None) -> str:
@@ -58,8 +62,9 @@ def _exponents(dim: int, device: torch.device = CPU) -> torch.Tensor:
 
 def rope_segments(head_dim: int, theta: float, scaling: dict | None, max_positions: int,
                   num_rows: int, device: torch.device) -> tuple[list[RopeSegment], float]:
-    """The rows of a [num_rows, head_dim] table and the attention factor that multiplies cos
-    and sin (transformers' `attention_scaling`).
+    """The rows of a [num_rows, head_dim] table (longrope: [num_rows + orig, head_dim] when
+    num_rows > orig, module docstring) and the attention factor that multiplies cos and sin
+    (transformers' `attention_scaling`).
 
     Args:
         max_positions: the config's `max_position_embeddings`.
@@ -74,7 +79,7 @@ def rope_segments(head_dim: int, theta: float, scaling: dict | None, max_positio
     if kind in ("default", "linear", "llama3", "yarn"):
         inv_freq, attention_factor = _static_inv_freq(kind, head_dim, theta, scaling,
                                                       max_positions)
-        return [RopeSegment(0, num_rows, inv_freq.to(device))], attention_factor
+        return [RopeSegment(0, num_rows, inv_freq.to(device), 0)], attention_factor
     if kind == "longrope":
         return _longrope(head_dim, theta, scaling, max_positions, num_rows, device)
     if kind == "dynamic":
@@ -151,9 +156,9 @@ def _yarn(dim: int, base: float, scaling: dict, max_positions: int) -> tuple[tor
 def _longrope(dim: int, base: float, scaling: dict, max_positions: int, num_rows: int,
               device: torch.device) -> tuple[list[RopeSegment], float]:
     """LongRoPE (Phi-3, `_compute_longrope_parameters`): short factors below
-    original_max_position_embeddings, long ones from it (module docstring); one attention
-    factor for both. transformers computes the short vector at load (CPU), the long one in
-    the forward pass (on the model's device)."""
+    original_max_position_embeddings, long ones from it, then the long rows of the positions
+    below it (module docstring); one attention factor for both. transformers computes the
+    short vector at load (CPU), the long one in the forward pass (on the model's device)."""
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor")
     if factor is None:
@@ -168,9 +173,12 @@ def _longrope(dim: int, base: float, scaling: dict, max_positions: int, num_rows
         return 1.0 / (ext * base ** _exponents(dim, on))
 
     boundary = min(original, num_rows)
-    segments = [RopeSegment(0, boundary, inv_freq(scaling["short_factor"], CPU).to(device))]
+    short = inv_freq(scaling["short_factor"], CPU).to(device)
+    segments = [RopeSegment(0, boundary, short, 0)]
     if num_rows > original:
-        segments.append(RopeSegment(original, num_rows, inv_freq(scaling["long_factor"], device)))
+        long = inv_freq(scaling["long_factor"], device)
+        segments += [RopeSegment(original, num_rows, long, original),
+                     RopeSegment(num_rows, num_rows + original, long, 0)]
     return segments, float(attention_factor)
 
 
@@ -184,7 +192,7 @@ def _dynamic(dim: int, base: float, factor: float | int, max_positions: int, num
     seq_len = max_positions
     load_base = base * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
     segments = [RopeSegment(0, min(max_positions, num_rows),
-                            (1.0 / (load_base ** _exponents(dim))).to(device))]
+                            (1.0 / (load_base ** _exponents(dim))).to(device), 0)]
     if num_rows > max_positions:
         grown = []
         for position in range(max_positions, num_rows):
@@ -192,5 +200,6 @@ def _dynamic(dim: int, base: float, factor: float | int, max_positions: int, num
             seq = torch.maximum(seq, torch.tensor(max_positions, dtype=seq.dtype, device=device))
             grown_base = base * ((factor * seq / max_positions) - (factor - 1)) ** (dim / (dim - 2))
             grown.append(1.0 / (grown_base ** _exponents(dim, device)))
-        segments.append(RopeSegment(max_positions, num_rows, torch.stack(grown)))
+        segments.append(RopeSegment(max_positions, num_rows, torch.stack(grown),
+                                    max_positions))
     return segments

@@ -5,7 +5,9 @@ in `rope_scaling.py`. The cos/sin table is computed once in fp32 exactly as tran
 computes it per step (position * inv_freq, then cos/sin, times the attention factor), so
 indexing the table gives bit-identical values. Each row is one position; the types whose
 frequencies transformers picks by sequence length (dynamic, longrope) are made a function of
-the position there, so the torch and fused paths read one table.
+the position there, so the torch and fused paths read one table; longrope's table also holds
+the long rows of the positions below its original length (`long_rows`), which the model
+runner gives the tokens of a request rotated with the long factors.
 """
 
 from __future__ import annotations
@@ -46,11 +48,22 @@ def rope_theta_from_config(cfg: dict) -> float:
     return float(rope_parameters(cfg).get("rope_theta", 10000.0))
 
 
+class LongRows(NamedTuple):
+    """Where longrope's table keeps the long-factor rows of the positions below `original`."""
+
+    original: int
+    """original_max_position_embeddings: a sequence longer than this is rotated wholly with
+    the long factors (rows from `original` on are long already)."""
+    offset: int
+    """Row of position p < original with the long factors: p + offset (the table's
+    `num_rows`)."""
+
+
 class RotaryInputs(NamedTuple):
     """One step's rotary inputs, built once by `RotaryEmbedding.prepare` for all layers."""
 
     positions: torch.Tensor
-    """[num_tokens] int64, each token's position."""
+    """[num_tokens] int64, each token's table row (its position, or a long row)."""
     cos: torch.Tensor | None
     """[num_tokens, 1, head_dim] gathered cos rows; None on the fused path (it indexes the
     table itself)."""
@@ -59,17 +72,25 @@ class RotaryInputs(NamedTuple):
 
 
 class RotaryEmbedding:
-    """Holds the [num_rows, head_dim] cos/sin tables (fp32 until `to`), row p for position p."""
+    """Holds the [num_rows, head_dim] cos/sin tables (fp32 until `to`), row p for position p;
+    longrope's have `long_rows.original` rows more (`rope_scaling.py`'s module docstring)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: dict | None = None, num_rows: int | None = None) -> None:
         """`max_positions` is the config's max_position_embeddings; the tables have
-        `num_rows` rows (default: max_positions)."""
+        `num_rows` rows (default: max_positions), plus longrope's long rows."""
         self.head_dim = head_dim
         self.theta = theta
         self.scaling = scaling
         self.max_positions = max_positions
         self.num_rows = num_rows or max_positions
+        self.long_rows: LongRows | None = None
+        """longrope whose sequences can outgrow its original length: where the long rows of
+        the positions below it are; None otherwise (no row past `num_rows`)."""
+        if rope_kind(scaling) == "longrope":
+            original = int(scaling["original_max_position_embeddings"])
+            if self.num_rows > original:
+                self.long_rows = LongRows(original, self.num_rows)
         self.cos, self.sin = self._tables(torch.device("cpu"))
         self.half = head_dim // 2
         self.use_fused_cpu_ops = False
@@ -78,9 +99,10 @@ class RotaryEmbedding:
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         segments, attention_factor = rope_segments(self.head_dim, self.theta, self.scaling,
                                                    self.max_positions, self.num_rows, device)
-        freqs = torch.cat([  # [num_rows, head_dim / 2]
-            torch.arange(start, stop, dtype=torch.float32, device=device)[:, None] * inv_freq
-            for start, stop, inv_freq in segments])
+        freqs = torch.cat([  # [rows, head_dim / 2]
+            torch.arange(first, first + stop - start, dtype=torch.float32,
+                         device=device)[:, None] * inv_freq
+            for start, stop, inv_freq, first in segments])
         emb = torch.cat((freqs, freqs), dim=-1)
         if attention_factor == 1.0:
             return emb.cos(), emb.sin()
@@ -100,8 +122,9 @@ class RotaryEmbedding:
         return self
 
     def prepare(self, positions: torch.Tensor) -> RotaryInputs:
-        """positions [num_tokens] int64 -> this step's RotaryInputs (the torch path gathers
-        the cos/sin rows here, once for all layers)."""
+        """positions [num_tokens] int64 (table rows: each token's position, or a long row,
+        `long_rows`) -> this step's RotaryInputs (the torch path gathers the cos/sin rows
+        here, once for all layers)."""
         if self.use_fused_cpu_ops:
             return RotaryInputs(positions.contiguous(), None, None)
         return RotaryInputs(positions, self.cos[positions].unsqueeze(1),

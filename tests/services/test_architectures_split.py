@@ -44,3 +44,31 @@ async def test_split_equals_transformers(name, tmp_path):
             assert 0 in results[2].prefill.kv_transfer_params.block_ids
     finally:
         await cluster.close()
+
+
+async def test_split_longrope_past_its_original_length(tmp_path):
+    """Phi-3 longrope (test_rope_scaling.py's checkpoint, original length 64) over the split:
+    a prompt that stays short, one that crosses 64 on the decode instance (its short KV
+    recomputed there with the long factors), one of exactly 64 (crossing at the decode's
+    first step: the received KV dropped) and one long from the start (its KV computed and
+    hashed long by the prefill, taken as such by the decode)."""
+    from tests.shared.models.test_rope_scaling import FAMILIES as ROPE_FAMILIES
+    from tests.shared.models.test_rope_scaling import MAX_POS, hf_generate
+
+    config_class, extra, _ = ROPE_FAMILIES["longrope"]
+    model = build_checkpoint(tmp_path, config_class, **extra)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 60, 64, 200)]
+    want = [hf_generate(model, [p], MAX_TOKENS)[0] for p in prompts]
+    cluster = await start_cluster(str(tmp_path), None, kv_cache_memory="64MiB",
+                                  max_model_len=MAX_POS, max_num_batched_tokens=64)
+    try:
+        results = await asyncio.gather(*(
+            run_split(cluster, f"longrope-{i}", p, greedy(MAX_TOKENS, ignore_eos=True))
+            for i, p in enumerate(prompts)))
+        assert [r.token_ids for r in results] == want
+        assert all(r.prefill.kv_transfer_params.block_ids for r in results)  # KV crossed
+        prefill, decode = await wait_leak_free(cluster)
+        assert prefill.num_used_blocks == decode.num_used_blocks == 0
+    finally:
+        await cluster.close()

@@ -32,13 +32,18 @@ from pdserve.shared.request import Request, RequestStatus
 from pdserve.shared.stop_rules import check_stop
 
 
-def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int) -> int:
+def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int,
+                    longrope_original: int | None = None) -> int:
     """Drafts to score with `request` this step: its proposals, when it is decoding (one
-    token to compute) and the token budget has room after that token."""
+    token to compute) and the token budget has room after that token. A longrope request
+    still short scores no position from `longrope_original` on (shared/engine/longrope.py:
+    its logits there are the long factors', after a recompute)."""
     drafts = request.spec_token_ids
     if not drafts or num_new_tokens != 1 or \
             request.num_computed_tokens != request.num_tokens - 1:
         return 0
+    if longrope_original is not None and not request.rope_long:
+        token_budget = min(token_budget, longrope_original - request.num_tokens + 1)
     return max(0, min(len(drafts), token_budget - 1))
 
 

@@ -4,9 +4,12 @@ Tiny random checkpoints as in test_architectures.py (original_max_position_embed
 max_position_embeddings 256): greedy tokens equal transformers' `generate` alone, batched,
 with prefix-cache hits and under preemption, prompt logprobs within 1e-4. yarn is static and
 crosses its original length here. dynamic is the default rope within max_position_embeddings
-(all the engine serves); longrope is served up to original_max_position_embeddings and refused
-past it (`shared/models/rope_scaling.py` says why). The rows past those lengths equal
-transformers' rotary for each position as the last of its forward pass.
+(all the engine serves). longrope is served past original_max_position_embeddings as
+transformers' `generate` does (shared/engine/longrope.py): prompts that stay short, that
+cross it while generating (the cache recomputed long) and that are long from the start,
+batched together, with cache hits that never mix long and short KV, under preemption. The
+rows past those lengths equal transformers' rotary for each position as the last of its
+forward pass; longrope's long rows of the positions below it, as in a longer forward pass.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import json
 import pytest
 import torch
 
+from pdserve.shared.engine.spec_decode.scheduling import num_spec_tokens
+from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from pdserve.shared.llm import LLM
 from pdserve.shared.models.architectures import check_hf_config, check_model_dir
 from pdserve.shared.models.rotary import RotaryEmbedding, rope_parameters
+from pdserve.shared.request import Request
 from pdserve.shared.sampling_params import SamplingParams
 from tests.shared.models.test_architectures import COMMON, build_checkpoint
 
@@ -42,11 +48,11 @@ FAMILIES = {
     "longrope": ("Phi3Config", {"max_position_embeddings": MAX_POS,
                                 "original_max_position_embeddings": ORIGINAL,
                                 "sliding_window": None, "pad_token_id": 0,
-                                "rope_parameters": LONGROPE}, ORIGINAL),
+                                "rope_parameters": LONGROPE}, MAX_POS),
 }
 PROMPT_LENS = (5, 37, 50, 60, 200)
-"""Each family takes those that fit its max_model_len with MAX_TOKENS more; yarn's 60 and
-200 cross ORIGINAL."""
+"""Each family takes those that fit its max_model_len with MAX_TOKENS more; 60 and 200 cross
+ORIGINAL (yarn, longrope): 60 while generating, 200 from the start."""
 
 
 def greedy_params(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
@@ -103,11 +109,12 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(family, all_prompt
 
 
 def test_forced_preemption_keeps_the_tokens(family):
-    """8 prompts of 30 tokens growing by 30 (60 < ORIGINAL: longrope's max_model_len) in a
-    pool of 24 blocks: the growth preempts some, recomputed later."""
+    """8 prompts of 30 tokens growing by 30 in a pool of 24 blocks: the growth preempts some,
+    recomputed later. longrope's prompts have 50 tokens, and all cross ORIGINAL."""
     name, directory, model, max_model_len = family
     g = torch.Generator().manual_seed(2)
-    batch = [torch.randint(3, 49152, (30,), generator=g).tolist() for _ in range(8)]
+    prompt_len = 50 if name == "longrope" else 30
+    batch = [torch.randint(3, 49152, (prompt_len,), generator=g).tolist() for _ in range(8)]
     want = hf_generate(model, batch, max_new_tokens=30)
     llm = LLM(str(directory), num_gpu_blocks_override=24, max_model_len=max_model_len,
               enable_prefix_caching=False)
@@ -116,27 +123,16 @@ def test_forced_preemption_keeps_the_tokens(family):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_longrope_past_its_original_length_is_refused_in_one_line(tmp_path):
+def test_longrope_past_its_original_length_is_accepted(tmp_path):
     import transformers
 
     config_class, extra, _ = FAMILIES["longrope"]
     config = getattr(transformers, config_class)(**{**COMMON, **extra},
                                                  architectures=["Phi3ForCausalLM"])
     config.save_pretrained(tmp_path)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    check_hf_config(cfg, ORIGINAL)
-    message = (r"Phi3ForCausalLM with longrope past original_max_position_embeddings=64 .*"
-               r"--max-model-len 64 or less")
-    with pytest.raises(ValueError, match=message) as info:
-        check_hf_config(cfg, ORIGINAL + 1)
-    assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match=message):
-        check_model_dir(str(tmp_path), MAX_POS)  # what the engine and the CLI run
-    # Phi3Config's default original length, 4096, when config.json has none at the top level
-    del cfg["original_max_position_embeddings"]
-    check_hf_config(cfg, 4096)
-    with pytest.raises(ValueError, match="original_max_position_embeddings=4096"):
-        check_hf_config(cfg, 4097)
+    check_hf_config(json.loads((tmp_path / "config.json").read_text()), MAX_POS)
+    check_model_dir(str(tmp_path), MAX_POS)  # what the engine and the CLI run
+    check_model_dir(str(tmp_path))
 
 
 @pytest.mark.parametrize("name", ["dynamic", "longrope"])
@@ -163,6 +159,14 @@ def test_rows_past_the_original_length_are_transformers_decode_steps(name):
     one = RotaryEmbedding(head_dim, MAX_POS, 10000.0, one, num_rows=num_rows)
     assert torch.equal(ours.cos[:boundary], one.cos[:boundary])
     assert not torch.equal(ours.cos[boundary], one.cos[boundary])
+    if name == "longrope":  # row num_rows + p: position p of a forward pass past ORIGINAL
+        assert ours.long_rows == (ORIGINAL, num_rows) and len(ours.cos) == num_rows + ORIGINAL
+        for p in range(ORIGINAL):
+            cos, sin = rotary(x, torch.tensor([[p, ORIGINAL]]))
+            row = num_rows + p
+            assert torch.equal(cos[0, 0], ours.cos[row]) and torch.equal(sin[0, 0], ours.sin[row])
+    else:
+        assert ours.long_rows is None and len(ours.cos) == num_rows
 
 
 def test_phi3_configs_as_transformers_standardizes_them():
@@ -194,9 +198,62 @@ def test_fused_rotary_is_bit_identical_on_the_scaled_tables(name):
                               "original_max_position_embeddings": ORIGINAL})
     rotary = RotaryEmbedding(2 * HALF, MAX_POS, 10000.0, params)
     g = torch.Generator().manual_seed(3)
-    positions = torch.randint(0, MAX_POS, (50,), generator=g)
+    positions = torch.randint(0, len(rotary.cos), (50,), generator=g)  # longrope's long rows
     q, k = torch.randn(50, 4, 2 * HALF, generator=g), torch.randn(50, 2, 2 * HALF, generator=g)
     want_q, want_k = rotary.apply(q, k, rotary.prepare(positions))
     rotary.use_fused_cpu_ops = True
     got_q, got_k = rotary.apply(q.clone(), k.clone(), rotary.prepare(positions))
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    """(checkpoint dir, transformers model) of the longrope family."""
+    config_class, extra, _ = FAMILIES["longrope"]
+    directory = tmp_path_factory.mktemp("longrope-hits")
+    return directory, build_checkpoint(directory, config_class, **extra)
+
+
+def test_longrope_cache_hits_never_mix_long_and_short_kv(longrope):
+    """Long KV hashes apart from short KV of the same tokens (`b"rope=long"`): a short prompt
+    sharing a long one's prefix computes its own blocks, and a long prompt sharing a short
+    one's hits only long blocks; a prompt crossing ORIGINAL while generating hits its own
+    short blocks again; one of exactly ORIGINAL tokens crosses at its first output (its
+    cache dropped at once). Tokens equal transformers' `generate` throughout."""
+    directory, model = longrope
+    g = torch.Generator().manual_seed(4)
+    long_prompt = torch.randint(3, 49152, (150,), generator=g).tolist()
+    short_prompt = long_prompt[:40]
+    long_again = short_prompt + torch.randint(3, 49152, (100,), generator=g).tolist()
+    crossing = torch.randint(3, 49152, (60,), generator=g).tolist()
+    at_original = torch.randint(3, 49152, (ORIGINAL,), generator=g).tolist()
+    llm = LLM(str(directory), kv_cache_memory="64MiB", max_model_len=MAX_POS)
+
+    def run(prompt: list[int], num_cached: int) -> None:
+        out = llm.generate([prompt], greedy_params())[0]
+        assert out.outputs[0].token_ids == hf_generate(model, [prompt])[0], len(prompt)
+        assert out.num_cached_tokens == num_cached, len(prompt)
+
+    run(long_prompt, 0)
+    run(short_prompt, 0)  # the long prompt's first two blocks hold long KV
+    run(short_prompt, 32)
+    run(long_again, 32)  # the long prompt's, not the short one's
+    kv = llm.engine.scheduler.kv_cache_manager
+    short, long = (hash_request_tokens(short_prompt[:32], 16, block_extra_keys(
+        kv.model_name, None, "none", rope_long)) for rope_long in (False, True))
+    assert short != long and all(kv.block_pool.get_cached_block(h) for h in short + long)
+    run(crossing, 0)
+    run(crossing, 48)  # the blocks of its short prompt, computed before it crossed
+    run(at_original, 0)
+
+
+def test_longrope_drafts_stop_at_the_original_length():
+    """A short request scores no draft position from ORIGINAL on (its logits there come from
+    the long factors, after the recompute); a long one scores them all."""
+    request = Request("r", list(range(ORIGINAL - 3)), greedy_params())
+    request.num_computed_tokens = request.num_tokens - 1
+    request.spec_token_ids = [1, 2, 3, 4, 5]
+    assert num_spec_tokens(request, 1, 100) == 5
+    assert num_spec_tokens(request, 1, 100, ORIGINAL) == 3
+    request.rope_long = True
+    assert num_spec_tokens(request, 1, 100, ORIGINAL) == 5
