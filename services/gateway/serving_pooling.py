@@ -212,6 +212,8 @@ class PoolingServing:
                 grant.finish(i)
 
         tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
+        for t in tasks:  # a sibling failing after the first failure: retrieved, not logged
+            t.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             vectors = await run_until_disconnect(request.receive, asyncio.gather(*tasks))
         finally:
