@@ -27,10 +27,12 @@ from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.middleware import GatewayMiddleware
 from pdserve.services.gateway.placement import InstanceRegistry, Placer
 from pdserve.services.gateway.registry_view import RegistryView
+from pdserve.services.gateway.response_store import open_response_store
 from pdserve.services.gateway.routes import EXCEPTION_HANDLERS, ROUTES
 from pdserve.services.gateway.serving_chat import ChatServing
 from pdserve.services.gateway.serving_completion import CompletionServing
 from pdserve.services.gateway.serving_pooling import PoolingServing
+from pdserve.services.gateway.serving_responses import ResponsesServing
 from pdserve.services.gateway.serving_tokenization import TokenizationServing
 from pdserve.services.gateway.shutdown import ShutdownNotice
 from pdserve.services.gateway.tokenization import GatewayTokenizer, load_tokenizer
@@ -53,6 +55,8 @@ class Gateway:
     created: int
     federation: MetricsFederation
     shutdown: ShutdownNotice
+    responses: ResponsesServing | None = None
+    """/v1/responses (its store: Redis with --redis-url, else this gateway's memory)."""
     pooling: PoolingServing | None = None
     """/v1/embeddings, /pooling, /score, /rerank (a --runner pooling deployment)."""
 
@@ -95,6 +99,8 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
                       CompletionServing(config, engine, tokenizer, metrics, admission,
                                         shutdown),
                       chat, TokenizationServing(chat), int(time.time()), federation, shutdown,
+                      responses=ResponsesServing(chat, open_response_store(
+                          config.redis_url, config.responses_ttl), metrics),
                       pooling=PoolingServing(config, engine, tokenizer, metrics, admission))
 
     @asynccontextmanager
@@ -113,6 +119,7 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
         await engine.close()
         await channels.close()
         tokenizer.close()
+        await gateway.responses.store.close()
         if owned_registry is not None:
             await owned_registry.close()
 

@@ -19,7 +19,7 @@ CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 
 # GatewayConfig fields that must be > 0 / >= 0 (0: "no limit" or "none allowed").
 _POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_body_size",
-             "max_n", "block_size")
+             "max_n", "block_size", "responses_ttl")
 _NON_NEGATIVE = ("max_request_retries", "max_num_queued_requests", "max_queued_tokens",
                  "max_logprobs", "max_stop_strings", "max_stop_string_length",
                  "local_prefill_threshold", "max_prefill_queue_size", "grace_period",
@@ -130,6 +130,8 @@ class GatewayConfig:
     """With API keys: /metrics needs one too (default: open, as in vLLM, for Prometheus)."""
     metrics_compat: str | None = None
     """"vllm": /metrics also carries vLLM's `vllm:` names (services/gateway/metrics_compat.py)."""
+    responses_ttl: float = 3600.0
+    """Seconds a stored /v1/responses response lives (in Redis with --redis-url)."""
 
     def __post_init__(self) -> None:
         """Raises: ValueError naming the flag of the first value out of range."""
@@ -215,6 +217,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _number(g, "--rpc-timeout", float, 5)
     _number(g, "--max-body-size", int, 16 << 20)
     _number(g, "--block-size", int, 16)
+    _number(g, "--responses-ttl", float, 3600.0,
+            "seconds a stored /v1/responses response lives (Redis with --redis-url)")
     g.add_argument("--log-level", default=_env("log_level", "info"))
     g = parser.add_argument_group("reliability")
     _number(g, "--max-request-retries", int, 2, "failovers one engine request may use")

@@ -31,7 +31,7 @@ logger = logging.getLogger("pdserve.services.gateway.access")
 
 # Client ids travel as gRPC metadata and in log lines: keep them short and printable.
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 PUBLIC_ROUTES = frozenset({"/health", "/ping", "/version", "/docs", "/openapi.json",
                            "/metrics", "/tokenize", "/detokenize"})
 """Open with API keys too (as vLLM, whose keys guard /v1 only: its /tokenize and /detokenize

@@ -26,6 +26,7 @@ from pdserve.services.gateway.protocol_pooling import (
     RerankRequest,
     ScoreRequest,
 )
+from pdserve.services.gateway.responses_protocol import ResponsesRequest
 from pdserve.services.gateway.serving_pooling import not_supported
 from pdserve.services.gateway.streams import ClientDisconnected
 
@@ -111,6 +112,22 @@ async def create_rerank(request: Request) -> Response:
     return await request.app.state.gateway.pooling.rerank(req, request)
 
 
+async def create_response(request: Request) -> Response:
+    _require_generate(request, "Responses")
+    req = parse_request(ResponsesRequest, await read_body(request))
+    return await request.app.state.gateway.responses.create(req, request)
+
+
+async def retrieve_response(request: Request) -> Response:
+    return await request.app.state.gateway.responses.retrieve(
+        request.path_params["response_id"], request)
+
+
+async def delete_response(request: Request) -> Response:
+    return await request.app.state.gateway.responses.delete(
+        request.path_params["response_id"], request)
+
+
 async def tokenize(request: Request) -> Response:
     req = parse_request(TokenizeRequest, await read_body(request))
     return JSONResponse(await request.app.state.gateway.tokenization.tokenize(req))
@@ -177,6 +194,9 @@ ROUTES = [
     Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/v1/completions", create_completion, methods=["POST"]),
     Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/embeddings", create_embedding, methods=["POST"]),
     Route("/pooling", create_pooling, methods=["POST"]),
     Route("/score", create_score, methods=["POST"]),

@@ -289,12 +289,14 @@ class OpenAIServing:
                       build_response: Callable[[ChoiceRun, list[ChoiceDelta]], dict],
                       stream_chunks: Callable[[ChoiceRun, ChoiceDelta | None],
                                               AsyncIterator[dict]],
-                      include_usage: bool, chunk_meta: dict) -> Response:
+                      include_usage: bool, chunk_meta: dict,
+                      frame: Callable[[dict], str] = sse_event, done: bool = True) -> Response:
         """Collect (non-streamed) or stream the choices; aborts them if the client leaves.
 
         `stream_chunks(run, first)` yields the chunk payloads of a stream that starts with
-        the delta `first`; the usage chunk and [DONE] are added here. However it ends, the
-        run's choices are stopped and its place in the waiting queue is released.
+        the delta `first`; the usage chunk and [DONE] (unless not `done`) are added here,
+        every payload and error object written by `frame`. However it ends, the run's
+        choices are stopped and its place in the waiting queue is released.
         """
         if not stream:
             try:
@@ -316,23 +318,24 @@ class OpenAIServing:
         async def events() -> AsyncIterator[str]:
             try:
                 async for chunk in self.shutdown.until_cut(stream_chunks(run, first)):
-                    yield sse_event(chunk)
+                    yield frame(chunk)
                 if include_usage:
                     yield sse_event({**chunk_meta, "choices": [], "usage": run.usage()})
             except ServerShutdown as e:
                 request.state.cut_by_shutdown = True
                 logger.info("[%s] stream cut: the shutdown's grace period ended",
                             request.state.request_id)
-                yield sse_event(e.to_dict())
+                yield frame(e.to_dict())
             except GatewayError as e:
-                yield sse_event(e.to_dict())
+                yield frame(e.to_dict())
             except Exception:
                 logger.exception("[%s] stream failed", request.state.request_id)
-                yield sse_event(GatewayError("internal error", 500).to_dict())
+                yield frame(GatewayError("internal error", 500).to_dict())
             finally:
                 await run.close()
                 self._count_tokens(run, request)
-            yield sse_event("[DONE]")
+            if done:
+                yield sse_event("[DONE]")
 
         def on_cut() -> None:
             request.state.cut_slow_client = True

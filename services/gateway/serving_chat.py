@@ -84,6 +84,18 @@ class ChatServing(OpenAIServing):
                               "messages") from None
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
+        started = await self.start_chat(req, request)
+        if isinstance(started, Response):  # a beam search, answered whole
+            return started
+        run, out = started
+        return await self.respond(request, run, bool(req.stream), out.build_response,
+                                  out.stream_chunks, req.include_usage, out.chunk_meta)
+
+    async def start_chat(self, req: ChatCompletionRequest, request: Request
+                         ) -> tuple[ChoiceRun, _ChatOutput] | Response:
+        """Check `req`, render and tokenize it and start its engine requests: the run and
+        what builds its answer (also the Responses API's path, serving_responses.py). A beam
+        search is answered here, whole."""
         check_unsupported(req)
         self.check_model(req.model)
         check_limits(req, self.config)
@@ -132,8 +144,7 @@ class ChatServing(OpenAIServing):
                          logprobs=req.logprobs, cache_salt=salt,
                          engine_prefix=state.engine_request_prefix, request_id=state.request_id,
                          guided_param=guided_param)
-        return await self.respond(request, run, bool(req.stream), out.build_response,
-                                  out.stream_chunks, req.include_usage, out.chunk_meta)
+        return run, out
 
     def _entry(self, token_id: int, logprob: float, as_token_ids: bool) -> dict:
         token = token_label(self.tokenizer, token_id, as_token_ids)

@@ -97,6 +97,7 @@ _GATEWAY_FLAGS = (
     ("max-prefill-queue-size", int,
      "prefills in flight at a prefill instance before a prompt is prefilled on its decode "
      "instance"),
+    ("responses-ttl", float, "seconds a stored /v1/responses response lives in Redis"),
 )
 UP_LOCAL_PREFILL_THRESHOLD = 256
 """`pdserve up`'s default --local-prefill-threshold when the prefill engines have cores of
