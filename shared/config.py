@@ -150,6 +150,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags; shared/lora/). An engine without one (None) has no
+    LoRA layers: the base model's forward is unchanged."""
+
+    max_loras: int = 1
+    """Adapters one step can serve (--max-loras): the slots of the stacked LoRA weights; a
+    waiting request of another adapter waits for a slot."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted (--max-lora-rank, at most 64)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in memory, least recently used evicted first (--max-cpu-loras,
+    at least max_loras); None: max_loras."""
+
+
+@dataclass(frozen=True, slots=True)
 class ParallelConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     num_threads: int = 0

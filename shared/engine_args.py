@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
+from pdserve.shared.lora.args import LoRAConfig, add_lora_cli_args, create_lora_config
 from pdserve.shared.pooling_params import PoolerConfig, resolve_runner
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,11 @@ class EngineArgs:
     "normalize": bool} (default LAST, normalised)."""
     override_pooler_config: str | dict | None = None
     """vLLM's older spelling of --pooler-config (its keys win)."""
+    enable_lora: bool = False
+    """Multi-LoRA serving (shared/lora/args.py has the LoRA flags)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -227,6 +233,7 @@ class EngineArgs:
                        help="with --slo-ttft-ms: refuse (429, Retry-After) a prompt predicted "
                             "at arrival to miss the TTFT target (Mooncake's early rejection); "
                             "off: it is served, counted in pdserve_slo_ttft_unreachable")
+        add_lora_cli_args(g, env, env_bool)
         g.add_argument("--trace-file", default=env("trace_file", d.trace_file),
                        help="append this engine's timeline (steps, core-share waits, KV "
                             "transfers) to this Chrome-trace file, for Perfetto; every engine "
@@ -275,6 +282,11 @@ class EngineArgs:
         if not parsed or parsed[0] < 1:
             raise ValueError(f"cuda_graph_sizes must be positive integers, got {sizes!r}")
         return tuple(s for s in parsed if s <= self.max_num_seqs) or (self.max_num_seqs,)
+
+    def create_lora_config(self) -> LoRAConfig | None:
+        """The LoRAConfig (None without --enable-lora). Raises ValueError naming the flag."""
+        return create_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank,
+                                  self.max_cpu_loras)
 
     def create_speculative_config(self) -> SpeculativeConfig | None:
         """The parsed --speculative-config; None when off. Raises ValueError naming the key."""

@@ -11,6 +11,7 @@ from typing import Any
 
 from pdserve.shared.engine.engine_core import EngineCore
 from pdserve.shared.engine_args import EngineArgs
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import Request, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.tokenizer import apply_chat_template, get_tokenizer
@@ -54,7 +55,8 @@ class LLM:
         args = EngineArgs(**({"model": model} if model else {}), **kwargs)
         configs = args.create_engine_configs()
         self.model_config = configs[0]
-        self.engine = EngineCore(*configs, speculative_config=args.create_speculative_config())
+        self.engine = EngineCore(*configs, speculative_config=args.create_speculative_config(),
+                                 lora_config=args.create_lora_config())
         self.tokenizer = get_tokenizer(self.model_config.model_path)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._counter = itertools.count()
@@ -68,8 +70,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or {"prompt_token_ids": [...]}).
+
+        `lora_request` (vLLM's): one adapter for every prompt, or one per prompt (None: the
+        base model); an adapter not loaded yet is loaded first (`EngineCore.add_lora`).
 
         Raises:
             ValueError: naming the field, for a prompt or parameter the engine rejects;
@@ -83,11 +89,18 @@ class LLM:
                        else [params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params: need one per prompt")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request: need one per prompt")
+        for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
+            if lora.lora_int_id not in self.engine.list_loras():
+                self.engine.add_lora(lora)
         outputs: dict[str, RequestOutput] = {}
         requests: dict[str, tuple[RequestOutput, int, Request]] = {}
         added: list[str] = []
         try:
-            for prompt, sp in zip(prompts, params_list):
+            for prompt, sp, lora in zip(prompts, params_list, loras):
                 text, ids = self._to_token_ids(prompt)
                 rid = str(next(self._counter))
                 out = RequestOutput(rid, text, ids)
@@ -96,7 +109,8 @@ class LLM:
                     child = dataclasses.replace(sp, n=1)
                     if sp.seed is not None:
                         child.seed = sp.seed + index
-                    req = Request(f"{rid}-{index}", ids, child, eos_token_id=self.eos_token_id)
+                    req = Request(f"{rid}-{index}", ids, child, eos_token_id=self.eos_token_id,
+                                  lora_request=lora)
                     self.engine.add_request(req)
                     added.append(req.request_id)
                     requests[req.request_id] = (out, index, req)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.pooling_params import PoolingParams
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -124,6 +125,9 @@ class Request:
     pooled: Any = None
     """A pooling request's pooled hidden state, written by the model runner (a MEAN
     request's running sum until its last chunk; shared/engine/pooler.py)."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter it runs under (shared/lora/); None: the base model. Its name enters
+    the first block's hash, so its KV is never served to another adapter or the base."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,13 @@ from collections.abc import Container
 
 import torch
 
-from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pdserve.shared.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from pdserve.shared.engine.core_share import NO_PREFILL, CoreShare
 from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.scheduler import Scheduler
@@ -26,6 +32,9 @@ from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.lora.admission import LoRAAdmission, LoRAStats, lora_stats
+from pdserve.shared.lora.model_manager import LoRAModelManager
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import Request
 from pdserve.shared.structured_output.backend import XgrammarBackend
 from pdserve.shared.structured_output.manager import StructuredOutputManager
@@ -73,7 +82,8 @@ class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, parallel_config: ParallelConfig,
                  enable_kv_cache_events: bool = False, load_threads: int | None = None,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None,
+                 lora_config: LoRAConfig | None = None) -> None:
         self.num_threads = apply_cpu_placement(parallel_config, load_threads)
         """Threads of the stepping thread's pool (without a core share)."""
         self.core_share = open_core_share(parallel_config)
@@ -96,7 +106,9 @@ class EngineCore:
             XgrammarBackend(model_config.model_path, model_config.vocab_size))
         """Grammar compiles (off this thread) and the guided rows' logit masks."""
         self.model_runner = ModelRunner(model_config, cache_config, parallel_config,
-                                        self.structured_output)
+                                        self.structured_output, lora_config)
+        self.lora_config = lora_config
+        """Multi-LoRA serving (`add_lora`, shared/lora/); None: off, no LoRA layers."""
         self.num_gpu_blocks = self.model_runner.num_gpu_blocks
         self.kv_cache_manager = KVCacheManager(
             self.num_gpu_blocks, cache_config.block_size,
@@ -112,6 +124,8 @@ class EngineCore:
         long_rows = self.model_runner.long_rows
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    long_rows.original if long_rows is not None else None)
+        if lora_config is not None:
+            self.scheduler.lora_admission = LoRAAdmission(lora_config.max_loras)
         self.prefill_budget = (
             PrefillBudget(parallel_config.slo_tpot_s, scheduler_config.max_num_batched_tokens,
                           min_prefill_tokens=cache_config.block_size,
@@ -159,9 +173,56 @@ class EngineCore:
         (A guided request's grammar: see structured_output/manager.py; the offline engine
         blocks here until it is compiled.)"""
         self.validate_request(request)
+        if request.lora_request is not None:
+            self._lora_manager().check_request(request.lora_request, self._loras_in_use())
         self.check_ttft_reachable(request)
         self.structured_output.init_request(request)
         self.scheduler.add_request(request)
+
+    # -- LoRA adapters (shared/lora/; vLLM's add_lora / remove_lora / list_loras) ------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load a PEFT adapter (validated against this model), for requests to name.
+
+        Raises:
+            ValueError: one line (LoRA off, missing files, another base model's shapes, a
+                rank over max_lora_rank, an unsupported target module or feature, an id or
+                name taken); adapters already loaded are unharmed.
+        """
+        self._lora_manager().add_adapter(lora_request, self._loras_in_use())
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload an adapter; False when none has that id.
+
+        Raises:
+            ValueError: unfinished requests use it (they are not aborted: finish or abort
+                them first).
+        """
+        users = sum(1 for r in self.scheduler.requests.values()
+                    if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id)
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is used by {users} unfinished "
+                             "request(s); finish or abort them first")
+        return self._lora_manager().remove_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded (empty with LoRA off)."""
+        manager = self.model_runner.lora_manager
+        return set(manager.registered) if manager is not None else set()
+
+    def lora_stats(self) -> LoRAStats:
+        """Running and waiting adapters' names, and max_loras (vllm:lora_requests_info)."""
+        return lora_stats(self.scheduler.running, self.scheduler.waiting,
+                          self.lora_config.max_loras if self.lora_config else 0)
+
+    def _lora_manager(self) -> LoRAModelManager:
+        if self.model_runner.lora_manager is None:
+            raise ValueError("lora_request: LoRA is not enabled on this engine (--enable-lora)")
+        return self.model_runner.lora_manager
+
+    def _loras_in_use(self) -> set[int]:
+        return {r.lora_request.lora_int_id for r in self.scheduler.requests.values()
+                if r.lora_request is not None}
 
     def check_ttft_reachable(self, request: Request) -> None:
         """With a TTFT target, predict a new prompt's first token (`PrefillBudget.

@@ -5,13 +5,14 @@ Owns the model weights and the paged KV cache tensors of one engine process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig
+from pdserve.shared.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from pdserve.shared.engine.attention import PagedAttention
 from pdserve.shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
@@ -27,6 +28,7 @@ from pdserve.shared.engine.spec_decode.verification import (
     expand_draft_rows,
     group_draft_samples,
 )
+from pdserve.shared.lora.model_manager import LoRAModelManager
 from pdserve.shared.models.llama import LlamaArgs
 from pdserve.shared.models.loader import load_model
 from pdserve.shared.models.rotary import LongRows
@@ -85,8 +87,10 @@ class ModelRunner:
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  parallel_config: ParallelConfig,
-                 structured_output: StructuredOutputManager) -> None:
-        """`structured_output` masks guided rows' logits and advances their grammars."""
+                 structured_output: StructuredOutputManager,
+                 lora_config: LoRAConfig | None = None) -> None:
+        """`structured_output` masks guided rows' logits and advances their grammars;
+        `lora_config` (None: no LoRA) adds LoRA layers to the model (shared/lora/)."""
         self.structured_output = structured_output
         self.device = torch.device(parallel_config.device)
         self.dtype = _DTYPES[model_config.dtype]
@@ -94,6 +98,9 @@ class ModelRunner:
         self.model = load_model(model_config.model_path, model_config.dtype, parallel_config.device,
                                 model_config.quantization)
         self.args = self.model.args
+        self.lora_manager = (LoRAModelManager(self.model, lora_config, self.device)
+                             if lora_config is not None else None)
+        """The adapters and the LoRA layers' slots; None: LoRA off (plain linears)."""
         self.long_rows = self.model.rotary.long_rows
         self.num_gpu_blocks = determine_num_gpu_blocks(self.args, cache_config,
                                                        model_config.dtype,
@@ -112,9 +119,10 @@ class ModelRunner:
         self.sampler = Sampler(seed=model_config.seed)
         self.cuda_graph_runner: CUDAGraphRunner | None = None
         """Replays pure-decode steps from CUDA graphs; None: every step runs eagerly."""
-        # NOTE: the torch backend's per-step host indices cannot be captured.
+        # NOTE: the torch backend's per-step host indices cannot be captured, nor can the
+        # LoRA layers' per-step segments: with LoRA every step runs eagerly.
         if (parallel_config.cuda_graph_sizes and self.device.type == "cuda"
-                and backend == "triton"):
+                and backend == "triton" and lora_config is None):
             self.cuda_graph_runner = CUDAGraphRunner(
                 self.model, self.kv_caches, self.block_size, self.args.num_kv_heads,
                 model_config.max_model_len, parallel_config.cuda_graph_sizes, self.device,
@@ -184,7 +192,9 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return {}
         inputs = self.prepare_inputs(scheduler_output.scheduled)
-        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        with (self.lora_manager.step(scheduler_output.scheduled) if self.lora_manager
+              else contextlib.nullcontext()):
+            hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         if has_pooling(scheduler_output.scheduled):
             pool_step(self.model.norm, hidden, scheduler_output.scheduled)
         if inputs.prompt_logprobs_jobs:

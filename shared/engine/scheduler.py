@@ -42,6 +42,7 @@ from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, n
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.lora.admission import LoRAAdmission
 from pdserve.shared.pooling_params import finish_pooling, uses_prefix_hits
 from pdserve.shared.request import Request, RequestStatus
 from pdserve.shared.stop_rules import check_stop
@@ -59,6 +60,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         longrope_original: a longrope model's original length, when its sequences can
             outgrow it (`RotaryEmbedding.long_rows`; shared/engine/longrope.py); else None.
     """
+    lora_admission: LoRAAdmission | None = None  # the max_loras rule (shared/lora/admission.py)
 
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  kv_connector: KVConnector | None = None, longrope_original: int | None = None):
@@ -357,7 +359,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
 
     def _admission_order(self) -> list[Request]:
         """The waiting requests in admission order (`scheduling_policy.admission_order`)."""
-        return admission_order(self.waiting, self.scheduler_config)
+        order = admission_order(self.waiting, self.scheduler_config)
+        return order if self.lora_admission is None else self.lora_admission(order, self.running)
 
     def _num_new_tokens(self, request: Request, num_computed_tokens: int,
                         token_budget: int) -> int:

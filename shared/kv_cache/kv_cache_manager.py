@@ -130,8 +130,10 @@ class KVCacheManager:
             bs = self.block_size
             parent = hashes[-1] if hashes else NONE_HASH
             for i in range(len(hashes), num_full):
+                lora = request.lora_request
                 extra = (block_extra_keys(self.model_name, request.cache_salt, self.quantization,
-                                          request.rope_long) if i == 0 else ())
+                                          request.rope_long, lora and lora.lora_name)
+                         if i == 0 else ())
                 parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs),
                                            extra)
                 hashes.append(parent)

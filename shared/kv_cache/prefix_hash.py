@@ -21,7 +21,9 @@ for a quantized model `b"quantization=<mode>"` (a bytes key, so no str salt can 
 with it): KV computed by int8 weights is never served to an fp32 engine or back, and fp32
 hashes are those of before quantization existed; and, for a sequence a longrope model
 rotates with its long factors (`Request.rope_long`), `b"rope=long"`: long and short KV of
-one prefix differ, and are never served for each other.
+one prefix differ, and are never served for each other; and, for a request under a LoRA
+adapter, `b"lora=<adapter name>"` (vLLM keys LoRA blocks by the adapter's name too): KV of one
+adapter is never served to another or to the base model, whose hashes are unchanged.
 
 NOTE: changing any of this changes every hash; the golden values pinned in
 tests/shared/kv_cache/test_prefix_hash.py make that a deliberate, visible edit.
@@ -111,10 +113,12 @@ def hash_request_tokens(
 
 
 def block_extra_keys(model_name: str, cache_salt: str | None,
-                     quantization: str = "none", rope_long: bool = False) -> tuple[ExtraKey, ...]:
+                     quantization: str = "none", rope_long: bool = False,
+                     lora_name: str | None = None) -> tuple[ExtraKey, ...]:
     """The extra keys of a request's first block: the served model name, then the salt, then
     the weights' quantization unless "none" (or "", a peer that predates the field), then
-    `b"rope=long"` for KV rotated with longrope's long factors.
+    `b"rope=long"` for KV rotated with longrope's long factors, then `b"lora=<name>"` for a
+    request under the LoRA adapter `lora_name` (None: the base model).
 
     A missing salt is left out rather than encoded as "", so `None` and `""` stay distinct.
     """
@@ -123,4 +127,6 @@ def block_extra_keys(model_name: str, cache_salt: str | None,
         keys += (b"quantization=" + quantization.encode("utf-8"),)
     if rope_long:
         keys += (b"rope=long",)
+    if lora_name is not None:
+        keys += (b"lora=" + lora_name.encode("utf-8"),)
     return keys

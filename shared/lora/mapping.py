@@ -1,0 +1,70 @@
+"""LoRAMapping: which adapter slot each token of a step uses, grouped once per step (like the
+attention metadata) for every LoRA layer of the forward (`kernels/lora_cpu.py`,
+`kernels/triton_lora.py`).
+
+Worked example: requests [a (slot 1, 1 token), b (base, 1), c (slot 0, 1), d (slot 1, 3)]:
+
+    batch row     0  1  2  3  4  5
+    token slot    1 -1  0  1  1  1
+    sorted rows   2 | 0  3  4  5            token_indices = [2, 0, 3, 4, 5]
+    segments      (0, 0, 1), (1, 1, 5)      (slot, start, end) into token_indices
+
+When the LoRA tokens already form one run per slot in batch order (one adapter in the step,
+or requests of one adapter next to each other), the runs themselves are the segments over
+batch rows and `token_indices` is None: the CPU path then neither gathers nor scatters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class LoRAMapping:
+    segments: list[tuple[int, int, int]]
+    """(slot, start, end): rows [start, end) of the sorted LoRA tokens use `slot` (of the
+    batch directly when `token_indices` is None)."""
+    token_indices: torch.Tensor | None
+    """[L] int64 batch rows of the LoRA tokens sorted by slot; None: segments are batch rows."""
+    sgmv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+    """CUDA only: (token_indices, seg_start, seg_len, seg_slot, max_seg_len) on the device,
+    the Triton kernels' arguments (always sorted form)."""
+
+
+def build_lora_mapping(request_slots: list[int], q_lens: np.ndarray,
+                       device: torch.device) -> LoRAMapping | None:
+    """The step's mapping from each scheduled request's slot (-1: base model) and its number
+    of tokens; None when no token of the step uses an adapter (the LoRA layers then cost one
+    attribute read each)."""
+    if max(request_slots, default=-1) < 0:
+        return None
+    token_slots = np.repeat(np.asarray(request_slots, np.int64), q_lens)
+    lora_rows = np.flatnonzero(token_slots >= 0)
+    slots_of_rows = token_slots[lora_rows]
+    # runs of one slot in batch order (a base token between two rows ends a run)
+    breaks = np.flatnonzero((np.diff(slots_of_rows) != 0) | (np.diff(lora_rows) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(lora_rows)]))
+    num_slots = len(np.unique(slots_of_rows))
+    if device.type != "cuda" and len(starts) <= num_slots + 1:
+        # NOTE: a run costs two small matmuls; a gather + scatter about as much as one more
+        # run: few runs go as they are.
+        return LoRAMapping([(int(slots_of_rows[s]), int(lora_rows[s]),
+                             int(lora_rows[s]) + int(e - s)) for s, e in zip(starts, ends)], None)
+    order = np.argsort(slots_of_rows, kind="stable")
+    sorted_slots = slots_of_rows[order]
+    token_indices = lora_rows[order]
+    bounds = np.flatnonzero(np.diff(sorted_slots)) + 1
+    seg_start = np.concatenate(([0], bounds))
+    seg_end = np.concatenate((bounds, [len(order)]))
+    segments = [(int(sorted_slots[s]), int(s), int(e)) for s, e in zip(seg_start, seg_end)]
+    indices = torch.from_numpy(token_indices).to(device)
+    sgmv = None
+    if device.type == "cuda":
+        as_i32 = [torch.from_numpy(a.astype(np.int32)).to(device)
+                  for a in (seg_start, seg_end - seg_start, sorted_slots[seg_start])]
+        sgmv = (indices, *as_i32, int((seg_end - seg_start).max()))
+    return LoRAMapping(segments, indices, sgmv)
