@@ -1,0 +1,81 @@
+"""Batched multi-LoRA kernels against the token-by-token reference: the CPU segment loop
+(`kernels/lora_cpu.py`) over the step mappings `shared/lora/mapping.py` builds (runs kept as
+they are, or gathered and sorted), the padded-bmm alternative, and the Triton SGMV kernels
+under TRITON_INTERPRET=1 (in a subprocess, as test_triton_interpret.py runs its kernels)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.kernels.lora_cpu import add_lora_bmm, add_lora_segments, lora_reference
+from pdserve.shared.lora.mapping import build_lora_mapping
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+def make_weights(num_slots: int, rank: int, in_features: int, out_features: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_slots, rank, in_features, generator=g),
+            torch.randn(num_slots, out_features, rank, generator=g))
+
+
+@pytest.mark.parametrize("request_slots, q_lens, sorted_form", [
+    ([0, 0, 0], [1, 1, 5], False),             # one adapter: one run, no gather
+    ([1, 1, -1, 0, 0], [1, 1, 1, 4, 1], False),  # grouped by adapter: runs
+    ([1, -1, 0, 2, 1, 0, 2, 1], [1] * 8, True),  # interleaved decodes: sorted
+    ([0, 1, -1, 1, 0], [1, 9, 3, 1, 6], True),
+])
+def test_segment_loop_matches_the_reference(request_slots, q_lens, sorted_form):
+    lora_a, lora_b = make_weights(3, 6, 10, 14, seed=0)
+    mapping = build_lora_mapping(request_slots, np.asarray(q_lens), CPU)
+    assert mapping is not None and (mapping.token_indices is not None) == sorted_form
+    token_slots = torch.from_numpy(np.repeat(np.asarray(request_slots), q_lens))
+    x = torch.randn(len(token_slots), 10)
+    y = torch.randn(len(token_slots), 14)
+    rank = [6, 3, 6]  # slot 1 holds a smaller rank: only its first 3 columns are read
+    a_t = [lora_a[s, :rank[s]].t() for s in range(3)]
+    b_t = [lora_b[s, :, :rank[s]].t() for s in range(3)]
+    lora_a[1, 3:] = 0
+    expected = y + lora_reference(x, lora_a, lora_b, token_slots)
+    add_lora_segments(y, x, a_t, b_t, mapping.segments, mapping.token_indices)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_without_adapters_has_no_mapping():
+    assert build_lora_mapping([-1, -1], np.asarray([1, 7]), CPU) is None
+
+
+def test_padded_bmm_matches_the_reference():
+    request_slots, q_lens = [1, -1, 0, 2, 1, 0, 2, 1], [1, 1, 1, 1, 3, 1, 1, 2]
+    lora_a, lora_b = make_weights(3, 6, 10, 14, seed=1)
+    token_slots = torch.from_numpy(np.repeat(np.asarray(request_slots), q_lens))
+    x, y = torch.randn(len(token_slots), 10), torch.randn(len(token_slots), 14)
+    expected = y + lora_reference(x, lora_a, lora_b, token_slots)
+    rows = [torch.nonzero(token_slots == s).flatten() for s in range(3)]
+    max_len = max(len(r) for r in rows)
+    padded = torch.zeros(3, max_len, dtype=torch.int64)
+    valid = torch.zeros(3, max_len, dtype=torch.bool)
+    for s, r in enumerate(rows):
+        padded[s, :len(r)], valid[s, :len(r)] = r, True
+    add_lora_bmm(y, x, lora_a, lora_b, padded, valid.view(-1))
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_sgmv_under_the_interpreter_matches_the_reference():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-m", "tests.kernels.lora_interpret_checks"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(errors) == {"decode_mixed", "prefill_mixed", "one_adapter"}
+    assert all(e < 1e-5 for e in errors.values()), errors
