@@ -140,6 +140,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(ns)
         if role == "decode":
             engine_args.create_speculative_config()  # a bad key: one line and exit 2
+        engine_args.create_lora_config()  # --max-loras ... out of range: exit 2
         if resolve_runner(engine_args.runner, engine_args.convert) == "pooling":
             if role == "decode":
                 raise ValueError("--runner pooling: a pooling model runs on prefill instances "

@@ -112,6 +112,10 @@ class InstanceInfo:
     block_size: int = 16
     metrics_address: str = ""
     """host:port of its Prometheus endpoint ("" without one); the gateway federates it."""
+    lora_adapters: tuple[dict, ...] = ()
+    """The LoRA adapters it has loaded: {"lora_name", "lora_int_id", "lora_path",
+    "base_model_name"} each (services/common/lora.py), so every gateway lists and routes
+    them."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -119,7 +123,10 @@ class InstanceInfo:
     @classmethod
     def from_json(cls, text: str | bytes) -> InstanceInfo:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in json.loads(text).items() if k in fields})
+        values = {k: v for k, v in json.loads(text).items() if k in fields}
+        if "lora_adapters" in values:
+            values["lora_adapters"] = tuple(values["lora_adapters"])
+        return cls(**values)
 
 
 class ListedInstance(NamedTuple):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pdserve.shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
+from pdserve.shared.lora.request import LoRARequest
 
 Role = Literal["prefill", "decode"]
 DEFAULT_PORTS = {"prefill": (50051, 9051), "decode": (50052, 9052)}
@@ -71,6 +72,9 @@ class ServiceConfig:
     Generate answers RESOURCE_EXHAUSTED."""
     kv_transfer_timeout: float = 60.0
     """Decode: deadline of one FetchKV stream, seconds."""
+    lora_modules: tuple[LoRARequest, ...] = ()
+    """LoRA adapters loaded before the instance serves (`--lora-modules`, vLLM's flag;
+    services/common/lora.py); needs the engine's --enable-lora."""
 
     @property
     def stall_check_interval(self) -> float:
@@ -132,6 +136,11 @@ def add_service_args(parser: argparse.ArgumentParser, role: Role) -> argparse.Ar
            "queued, before health reports NOT_SERVING (0 disables)")
     g.add_argument("--test-stall-file", default=_env("test_stall_file", ""),
                    help=argparse.SUPPRESS)
+    g.add_argument("--lora-modules", nargs="+", action="extend",
+                   default=_env("lora_modules", "").split(),
+                   help="LoRA adapters to load before serving, as vLLM: name=path, or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\' (repeatable; '
+                        "needs --enable-lora)")
     if role == "prefill":
         number("kv_pin_ttl", float, "seconds an unfetched KV handle stays pinned")
         number("kv_chunk_bytes", int)
@@ -145,6 +154,14 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
     """Validate and freeze. Raises ValueError naming the flag."""
     fields = {name: getattr(ns, name) for name in ServiceConfig.__dataclass_fields__
               if name != "role" and hasattr(ns, name)}
+    if "lora_modules" in fields:
+        from pdserve.services.common.lora_modules import check_adapter_dir, parse_lora_modules
+
+        fields["lora_modules"] = parse_lora_modules(fields["lora_modules"])
+        for lora in fields["lora_modules"]:
+            check_adapter_dir(lora)
+        if fields["lora_modules"] and not getattr(ns, "enable_lora", False):
+            raise ValueError("--lora-modules needs --enable-lora")
     if fields.get("metrics_port") is not None and fields["metrics_port"] < 0:
         fields["metrics_port"] = None
     if "internal_token" in fields:

@@ -27,7 +27,8 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
             # threaded OpenMP pool (see apply_cpu_placement).
             core = EngineCore(*configs, enable_kv_cache_events=True, load_threads=1,
                               speculative_config=None if role == "prefill"
-                              else engine_args.create_speculative_config())
+                              else engine_args.create_speculative_config(),
+                              lora_config=engine_args.create_lora_config())
             return core, get_tokenizer(configs[0].model_path).eos_token_id
     return load
 

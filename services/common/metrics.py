@@ -8,6 +8,7 @@ instance, so several instances can live in one process (tests).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -105,6 +106,11 @@ class ServiceMetrics:
             "Redis answers.")
         self._transfer_seconds = histogram("kv_transfer_seconds", "Duration of one KV transfer.",
                                            _TRANSFER_BUCKETS)
+        self._lora_info = gauge(
+            "lora_requests_info", "vLLM's lora_requests_info: the LoRA adapters of the running "
+            "and waiting requests (comma-separated names) and max_lora, as labels; the value "
+            "is when they were read (unix seconds). Absent without --enable-lora.",
+            ("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
         self._model = model_name
         self._last: EngineStats | None = None
         # Every series without extra labels exists from the start, at 0 (a dashboard's
@@ -152,6 +158,13 @@ class ServiceMetrics:
             if value > seen:
                 self._l(self._ttft_unreachable, action=action).inc(value - seen)
                 self._ttft_unreachable_seen[action] = value
+
+    def lora_info(self, running: Iterable[str], waiting: Iterable[str], max_loras: int) -> None:
+        """One series (the previous one dropped), as vLLM's gauge: the adapters' names."""
+        self._lora_info.clear()
+        self._l(self._lora_info, running_lora_adapters=",".join(sorted(running)),
+                waiting_lora_adapters=",".join(sorted(waiting)),
+                max_lora=str(max_loras)).set_to_current_time()
 
     def redis_up(self, up: bool) -> None:
         self._l(self._redis_up).set(1 if up else 0)

@@ -27,8 +27,10 @@ while the metrics keep following the requests that finish.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
+from pdserve.services.common.lora import lora_stats_op
 from pdserve.services.common.metrics import EngineStats
 from pdserve.services.common.worker import EngineWorker, stats_op
 from pdserve.shared.kv_cache.block_pool import BlockStored, KVCacheEvent
@@ -107,7 +109,8 @@ class InstanceMonitor:
             model=w.model_name, num_running=s.num_running if s else 0,
             num_waiting=s.num_waiting if s else 0,
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, block_size=w.block_size,
-            metrics_address=self.metrics_address)
+            metrics_address=self.metrics_address,
+            lora_adapters=tuple(dataclasses.asdict(a) for a in w.lora.listed()))
 
     async def _run(self) -> None:
         await self._every(self.config.publish_interval, self.tick, "tick")
@@ -129,11 +132,13 @@ class InstanceMonitor:
         """Drain events, update metrics, queue the net changes for the writer
         (never waits on Redis)."""
         async with self._lock:
-            events, self.stats, after_abort, unreachable = await self.worker.engine.call(
+            events, self.stats, after_abort, unreachable, lora = await self.worker.engine.call(
                 lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
                            e.num_prompt_tokens_after_abort,
-                           (e.num_ttft_unreachable, e.num_ttft_rejected)))
+                           (e.num_ttft_unreachable, e.num_ttft_rejected), lora_stats_op(e)))
             self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks())
+            if lora is not None:
+                self.worker.metrics.lora_info(*lora)
             self.worker.metrics.prompt_tokens_after_abort(after_abort)
             self.worker.metrics.slo_ttft_unreachable(*unreachable)
             if self.index is None or self._left:

@@ -85,6 +85,8 @@ class ServiceRuntime:
         self._loaded = asyncio.Event()
         self._load_task: asyncio.Task | None = None
         self._stop_task: asyncio.Future | None = None
+        self.startup_error: str | None = None
+        """Why the start failed on a bad flag (a LoRA adapter): serve_forever exits 2."""
 
     @property
     def port(self) -> int:
@@ -143,6 +145,8 @@ class ServiceRuntime:
                                          core.model_config.served_model_name)
         self.worker = self._make_worker(engine, self.config, self.identity, metrics,
                                         eos_token_id)
+        if not await self._load_lora_modules(self.worker):
+            return
         if self.config.redis_url:
             self.index = PrefixIndex(self.config.redis_url, self.worker.model_name,
                                      ttl=self.config.registration_ttl,
@@ -153,6 +157,7 @@ class ServiceRuntime:
             metrics_address = f"{host}:{self.metrics_port}"
         self.monitor = InstanceMonitor(self.worker, self.index, metrics_address)
         self.monitor.start()
+        self.worker.on_lora_change = self.monitor.heartbeat  # gateways see it at once
         # NOTE: also with --stall-timeout 0: it turns NOT_SERVING on failing steps too.
         interval = self.config.stall_check_interval if self.config.stall_timeout > 0 else 1.0
         self.watchdog = StallWatchdog(engine, self.config.stall_timeout, interval,
@@ -165,11 +170,28 @@ class ServiceRuntime:
                         self.identity.instance_id, core.num_gpu_blocks)
         self._loaded.set()
 
+    async def _load_lora_modules(self, worker: EngineWorker) -> bool:
+        """Load --lora-modules before serving; a bad adapter fails the start (exit 2, its
+        one-line reason in `startup_error`)."""
+        for lora in self.config.lora_modules:
+            try:
+                await worker.load_lora(lora)
+            except ServiceError as e:
+                self.startup_error = f"--lora-modules {lora.lora_name}: {e}"
+                logger.error("%s", self.startup_error)
+                self.phase = Phase.FAILED
+                self._loaded.set()
+                return False
+            logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
+                        lora.lora_int_id, lora.lora_path)
+        return True
+
     async def wait_ready(self, timeout: float | None = None) -> EngineWorker:
         """The worker once loaded. Raises RuntimeError if loading failed."""
         await asyncio.wait_for(self._loaded.wait(), timeout)
-        if self.worker is None:
-            raise RuntimeError(f"{self.config.role}: the engine failed to load")
+        if self.worker is None or self.phase is Phase.FAILED:
+            raise RuntimeError(f"{self.config.role}: "
+                               f"{self.startup_error or 'the engine failed to load'}")
         return self.worker
 
     def require_worker(self, new_request: bool = True) -> EngineWorker:
@@ -252,4 +274,7 @@ class ServiceRuntime:
             await stop.wait()
         failed = self.phase is Phase.FAILED
         await self.stop()
+        if self.startup_error is not None:
+            print(f"error: {self.startup_error}", flush=True)
+            return 2
         return 1 if failed else 0

@@ -1,8 +1,8 @@
 """EngineServicerBase: what the prefill and decode servicers share (grpc.aio).
 
 The worker lookup (UNAVAILABLE while loading or, for a new request, draining), `Abort`,
-`GetState` and `WatchState`; each role's servicer adds its own methods and mixes this in
-before its generated `*ServiceServicer` base.
+`GetState`, `WatchState` and the LoRA adapter calls (services/common/lora.py); each role's
+servicer adds its own methods and mixes this in before its generated `*ServiceServicer` base.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 import grpc
 
 from pdserve.services.common.errors import abort_with
+from pdserve.services.common.lora_modules import adapter_from_proto, adapter_to_proto
 from pdserve.services.common.server import Phase, ServiceRuntime
 from pdserve.services.common.state_feed import HistogramView, StateFrame
 from pdserve.services.common.worker import EngineWorker
@@ -55,6 +56,42 @@ class EngineServicerBase(Generic[W]):
         except Exception as e:
             await abort_with(context, e, "-", "GetState")
         return pb.EngineState(**state._asdict())
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> pb.LoRAAdapterList:
+        name = request.adapter.lora_name
+        try:
+            worker = self._worker()
+            lora = adapter_from_proto(request.adapter)
+            await worker.load_lora(lora)
+        except Exception as e:
+            await abort_with(context, e, name or "-", "LoadLoRAAdapter")
+        logger.info("LoRA adapter %s (id %d) loaded from %s", name, lora.lora_int_id,
+                    lora.lora_path)
+        return self._adapters(worker)
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.UnloadLoRAAdapterResponse:
+        try:
+            unloaded = await self._worker().unload_lora(request.lora_name)
+        except Exception as e:
+            await abort_with(context, e, request.lora_name or "-", "UnloadLoRAAdapter")
+        if unloaded:
+            logger.info("LoRA adapter %s unloaded", request.lora_name)
+        return pb.UnloadLoRAAdapterResponse(unloaded=unloaded)
+
+    async def ListLoRAAdapters(self, request: pb.ListLoRAAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> pb.LoRAAdapterList:
+        try:
+            worker = self._worker()
+        except Exception as e:
+            await abort_with(context, e, "-", "ListLoRAAdapters")
+        return self._adapters(worker)
+
+    @staticmethod
+    def _adapters(worker: EngineWorker) -> pb.LoRAAdapterList:
+        return pb.LoRAAdapterList(adapters=[adapter_to_proto(a) for a in worker.lora.listed()])
 
     async def WatchState(self, request: pb.WatchStateRequest,
                          context: grpc.aio.ServicerContext) -> None:

@@ -59,6 +59,8 @@ class RequestView(NamedTuple):
     num_computed_tokens: int
     num_prompt_tokens: int
     num_tokens: int
+    lora_name: str = ""
+    """The request's LoRA adapter ("": the base model)."""
 
 
 class TransferView(NamedTuple):
@@ -167,7 +169,8 @@ def feed_op(engine, full: bool, stats_op: Callable) -> FeedSample:
 def _view(kv, r, status: str) -> RequestView:
     return RequestView(r.request_id, status, kv.get_block_ids(r.request_id),
                        max(r.num_cached_tokens, 0), r.num_computed_tokens,
-                       r.num_prompt_tokens, r.num_tokens)
+                       r.num_prompt_tokens, r.num_tokens,
+                       r.lora_request.lora_name if r.lora_request is not None else "")
 
 
 class _Watcher:

@@ -15,7 +15,9 @@ each state: docs/lifecycle.md.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -24,11 +26,15 @@ import grpc
 from pdserve.services.common import state_feed
 from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.lora import LoRATable
 from pdserve.services.common.metrics import EngineStats, ServiceMetrics
 from pdserve.services.common.state_feed import Counters, LoopSide, StateFeed, TransferView
 from pdserve.shared.engine.async_engine import AsyncEngine
 from pdserve.shared.engine.engine_core import EngineCore
 from pdserve.shared.kv_transfer.codec import KVLayout
+from pdserve.shared.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 
 class Identity(NamedTuple):
@@ -58,6 +64,9 @@ class EngineState(NamedTuple):
     num_paused: int = 0
 
 
+LORA_DRAIN_S = 30.0
+"""How long an unloaded adapter's unfinished requests may run on before they are aborted."""
+
 STATE_WAIT_S = {False: 0.5, True: 2.0}
 """How long GetState waits for the engine thread (without / with the invariant check)
 before it answers from the counters alone."""
@@ -73,6 +82,12 @@ def stats_op(engine: EngineCore) -> EngineStats:
         prefix_cache_hits=s.prefix_cache_hits, num_gpu_blocks=pool.num_gpu_blocks,
         num_free_blocks=num_free, num_cached_blocks=pool.num_cached_blocks,
         num_used_blocks=pool.num_gpu_blocks - 1 - num_free, num_paused=s.num_paused)
+
+
+def lora_users_op(engine: EngineCore, lora_int_id: int) -> list[str]:
+    """The unfinished requests running under the adapter `lora_int_id`."""
+    return [r.request_id for r in engine.scheduler.requests.values()
+            if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
 
 
 def check_invariants_op(engine: EngineCore) -> tuple[str, list[str]]:
@@ -121,6 +136,11 @@ class EngineWorker:
         self.num_gpu_blocks = core.num_gpu_blocks
         self.layout = KVLayout.of(core.model_runner.kv_caches)
         self._tasks: set[asyncio.Task] = set()
+        self.lora = LoRATable(self.model_name)
+        """The LoRA adapters loaded here (requests name them; the registry lists them)."""
+        self.on_lora_change: Callable[[], Awaitable[object]] | None = None
+        """Awaited after each load / unload (the runtime re-registers the instance)."""
+        self._lora_lock = asyncio.Lock()
         self.state_feed = StateFeed(
             lambda full: self.engine.call(lambda e: state_feed.feed_op(e, full, stats_op)),
             self._feed_loop_side, self.make_state, self._feed_counters,
@@ -149,6 +169,61 @@ class EngineWorker:
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort without waiting for the engine thread; returns the ids known here."""
         return self.engine.request_abort(request_ids)
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    async def load_lora(self, lora: LoRARequest) -> None:
+        """Load `lora` into the engine (idempotent for the same name and path).
+
+        Raises:
+            ServiceError: ALREADY_EXISTS (the name is loaded from another path),
+                INVALID_ARGUMENT (another base model; a bad adapter: the engine's message,
+                nothing already loaded harmed).
+        """
+        async with self._lora_lock:
+            if not self.lora.check_new(lora):
+                return
+            try:
+                await self.engine.call(lambda e: e.add_lora(lora))
+            except ValueError as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"LoRA adapter {lora.lora_name!r}: {e}") from None
+            self.lora.adapters[lora.lora_name] = lora
+        await self._lora_changed()
+
+    async def unload_lora(self, lora_name: str) -> bool:
+        """Unload the adapter named `lora_name`; False when none of that name is loaded.
+
+        New requests naming it are refused at once (NOT_FOUND); the unfinished ones under it
+        finish first (as vLLM serves them to the end), for at most LORA_DRAIN_S, after which
+        they are aborted; then the engine forgets the adapter.
+        """
+        async with self._lora_lock:
+            lora = self.lora.adapters.pop(lora_name, None)
+            if lora is None:
+                return False
+        await self._lora_changed()
+        deadline = time.monotonic() + LORA_DRAIN_S
+        while True:
+            users = await self.engine.call(lambda e: lora_users_op(e, lora.lora_int_id))
+            if not users:
+                async with self._lora_lock:
+                    if lora_name in self.lora.adapters:  # loaded again meanwhile
+                        return True
+                    try:
+                        await self.engine.call(lambda e: e.remove_lora(lora.lora_int_id))
+                        return True
+                    except ValueError:  # a request admitted since: drain it too
+                        pass
+            elif time.monotonic() >= deadline:
+                logger.warning("unloading LoRA adapter %s: aborting %d request(s) still "
+                               "running under it", lora_name, len(users))
+                await self.abort(users)
+            await asyncio.sleep(0.05)
+
+    async def _lora_changed(self) -> None:
+        if self.on_lora_change is not None:
+            await self.on_lora_change()
 
     # -- shared ------------------------------------------------------------------------------
 

@@ -38,9 +38,11 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
             if not rid:
                 raise ValueError("request_id must not be empty")
             params = sampling_params_from_proto(request.sampling_params)
+            lora = worker.lora.resolve(request.lora_request
+                                       if request.HasField("lora_request") else None)
             engine_request = worker.make_request(
                 rid, list(request.prompt_token_ids), list(request.output_token_ids), params,
-                request.cache_salt or None)
+                request.cache_salt or None, lora)
             handle = (handle_from_proto(request.kv_transfer_params)
                       if request.HasField("kv_transfer_params") else None)
             async with aclosing(worker.generate(engine_request, handle)) as outputs:

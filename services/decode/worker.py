@@ -35,12 +35,14 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.lora import check_kv_adapter
 from pdserve.services.common.state_feed import TransferView
 from pdserve.services.common.worker import EngineWorker
 from pdserve.services.decode.kv_fetcher import KVFetcher
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -82,12 +84,14 @@ class DecodeWorker(EngineWorker):
 
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      output_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None) -> Request:
+                     cache_salt: str | None,
+                     lora_request: LoRARequest | None = None) -> Request:
         """Build and validate (`EngineCore.validate_request`, before any block is held or
         any KV fetched). Raises ValueError naming the field."""
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                          output_token_ids=list(output_token_ids))
+                          output_token_ids=list(output_token_ids),
+                          lora_request=lora_request)
         self.engine_core.validate_request(request)
         if params.structured_outputs is not None:  # compiles while the KV arrives
             self.engine_core.structured_output.grammar(params.structured_outputs)
@@ -104,6 +108,7 @@ class DecodeWorker(EngineWorker):
                                f"instance runs {self.quantization!r}; KV computed by other "
                                "weights cannot be used (run prefill and decode with the same "
                                "--quantization)")
+        check_kv_adapter(handle.lora_name, handle.lora_int_id, request.lora_request)
         if handle.layout != self.layout:
             raise ValueError(f"kv_transfer_params: KV layout {tuple(handle.layout)} does not "
                              f"match this instance's {tuple(self.layout)}")
@@ -123,9 +128,11 @@ class DecodeWorker(EngineWorker):
         # length with the long factors (shared/engine/longrope.py), and hashed it so.
         original = self.engine_core.scheduler.longrope_original
         rope_long = original is not None and num_tokens > original
+        lora = request.lora_request
         expected = hash_request_tokens(request.token_slice(0, num_tokens), bs,
                                        block_extra_keys(self.model_name, request.cache_salt,
-                                                        self.quantization, rope_long))
+                                                        self.quantization, rope_long,
+                                                        lora and lora.lora_name))
         if list(handle.block_hashes) != expected:
             i = next((i for i, (a, b) in enumerate(zip(handle.block_hashes, expected)) if a != b),
                      min(len(handle.block_hashes), len(expected)))

@@ -36,8 +36,10 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
             if not rid:
                 raise ValueError("request_id must not be empty")
             params = sampling_params_from_proto(request.sampling_params)
+            lora = worker.lora.resolve(request.lora_request
+                                       if request.HasField("lora_request") else None)
             out = await worker.prefill(rid, list(request.prompt_token_ids), params,
-                                       request.cache_salt or None)
+                                       request.cache_salt or None, lora)
         except Exception as e:
             await abort_with(context, e, rid, "Prefill")
         first_token_id = out.new_token_ids[0]

@@ -31,6 +31,7 @@ from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.engine.trace import now_us
 from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
 from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.stop_rules import at_length_limit
@@ -62,7 +63,8 @@ class PrefillWorker(EngineWorker):
     # -- Prefill -----------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, cache_salt: str | None) -> EngineCoreOutput:
+                      params: SamplingParams, cache_salt: str | None,
+                      lora_request: LoRARequest | None = None) -> EngineCoreOutput:
         """Compute the prompt's KV (what the prefix cache lacks), sample the first token.
 
         Returns:
@@ -89,7 +91,8 @@ class PrefillWorker(EngineWorker):
         engine_params = dataclasses.replace(params, n=1, max_tokens=1,
                                             min_tokens=min(params.min_tokens, 1))
         request = Request(request_id, list(prompt_token_ids), engine_params,
-                          eos_token_id=self.eos_token_id, cache_salt=cache_salt)
+                          eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                          lora_request=lora_request)
         # A request that cannot go on past its first token asks for no transfer.
         if not at_length_limit(params, self.max_model_len, request.num_prompt_tokens, 1):
             request.kv_transfer_params = {"do_remote_decode": True}
@@ -112,7 +115,9 @@ class PrefillWorker(EngineWorker):
                 handle = None if held is None else KVHandle(
                     self.identity.instance_id, self.identity.address, held["block_ids"],
                     held["block_hashes"], request.num_prompt_tokens, self.layout,
-                    self.model_name, self.quantization)
+                    self.model_name, self.quantization,
+                    lora_request.lora_name if lora_request else "",
+                    lora_request.lora_int_id if lora_request else 0)
                 self.metrics.request_finished(
                     "transferred" if finish is None else finish.value,
                     request.num_prompt_tokens, 1, first_token_time - arrival)

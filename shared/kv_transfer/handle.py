@@ -26,3 +26,8 @@ class KVHandle(NamedTuple):
     quantization: str = "none"
     """The prefill's weight quantization ("none" | "int8"; "" from a peer that predates it):
     a decode instance refuses KV computed under another mode."""
+    lora_name: str = ""
+    """The LoRA adapter the KV was computed under ("": the base model): a decode instance
+    refuses KV of another adapter than its request's."""
+    lora_int_id: int = 0
+    """That adapter's id (0: the base model)."""

@@ -69,6 +69,21 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
                 response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillService/LoadLoRAAdapter',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillService/UnloadLoRAAdapter',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/pdserve.v1.PrefillService/ListLoRAAdapters',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -118,6 +133,27 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters (vLLM's /v1/load_lora_adapter): load (ALREADY_EXISTS for a name taken by
+        another path or id; INVALID_ARGUMENT for a bad adapter, nothing loaded harmed), unload,
+        list. Answered between engine steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +191,21 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Pool,
                     request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.FromString,
                     response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +407,87 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/LoadLoRAAdapter',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/UnloadLoRAAdapter',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/ListLoRAAdapters',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -390,6 +522,21 @@ class DecodeServiceStub:
                 '/pdserve.v1.DecodeService/WatchState',
                 request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/LoadLoRAAdapter',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/UnloadLoRAAdapter',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAAdapters = channel.unary_unary(
+                '/pdserve.v1.DecodeService/ListLoRAAdapters',
+                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
                 _registered_method=True)
 
 
@@ -426,6 +573,27 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters (vLLM's /v1/load_lora_adapter): load (ALREADY_EXISTS for a name taken by
+        another path or id; INVALID_ARGUMENT for a bad adapter, nothing loaded harmed), unload,
+        list. Answered between engine steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -453,6 +621,21 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.WatchState,
                     request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
                     response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+            ),
+            'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAAdapters,
+                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -590,6 +773,87 @@ class DecodeService:
             '/pdserve.v1.DecodeService/WatchState',
             pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
             pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/LoadLoRAAdapter',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/UnloadLoRAAdapter',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/ListLoRAAdapters',
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
             options,
             channel_credentials,
             insecure,
