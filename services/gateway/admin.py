@@ -31,8 +31,10 @@ from starlette.requests import Request
 from pdserve.services.gateway.config import split_api_keys
 from pdserve.services.gateway.errors import GatewayError
 
-ADMIN_PATH_PREFIXES = ("/debug/", "/dashboard")
-"""Paths that need the admin key: every /debug/* route and the operator dashboard."""
+ADMIN_PATH_PREFIXES = ("/debug/", "/dashboard", "/v1/load_lora_adapter",
+                       "/v1/unload_lora_adapter")
+"""Paths that need the admin key: every /debug/* route, the operator dashboard and vLLM's
+LoRA adapter routes (services/gateway/lora.py)."""
 
 
 def is_admin_path(path: str) -> bool:

@@ -23,6 +23,7 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.failover import EngineClient
 from pdserve.services.gateway.federation import MetricsFederation
+from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.middleware import GatewayMiddleware
 from pdserve.services.gateway.placement import InstanceRegistry, Placer
@@ -59,6 +60,8 @@ class Gateway:
     """/v1/responses (its store: Redis with --redis-url, else this gateway's memory)."""
     pooling: PoolingServing | None = None
     """/v1/embeddings, /pooling, /score, /rerank (a --runner pooling deployment)."""
+    lora: LoRAView | None = None
+    """The cluster's LoRA adapters: /v1/models, `model` -> adapter, the admin routes."""
 
 
 def _connect_registry(config: GatewayConfig) -> RegistryView | None:
@@ -86,22 +89,24 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
                     config.local_prefill_threshold,
                     max_prefill_queue_size=config.max_prefill_queue_size)
     engine = EngineClient(config, channels, placer)
+    lora = engine.lora = LoRAView(channels, placer, config.served_model_name)
     metrics = GatewayMetrics()
     metrics.registry.register(engine.failover_stats)
     metrics.registry.register(channels.control_calls)
     admission = AdmissionQueue(config.max_num_queued_requests, config.max_queued_tokens,
                                metrics.registry)
     shutdown = ShutdownNotice()
-    chat = ChatServing(config, engine, tokenizer, metrics, admission, shutdown)
+    chat = ChatServing(config, engine, tokenizer, metrics, admission, shutdown, lora)
     federation = MetricsFederation(metrics.registry, registry, config.metrics_compat,
                                    config.served_model_name)
     gateway = Gateway(config, tokenizer, channels, engine, metrics,
                       CompletionServing(config, engine, tokenizer, metrics, admission,
-                                        shutdown),
+                                        shutdown, lora),
                       chat, TokenizationServing(chat), int(time.time()), federation, shutdown,
                       responses=ResponsesServing(chat, open_response_store(
                           config.redis_url, config.responses_ttl), metrics),
-                      pooling=PoolingServing(config, engine, tokenizer, metrics, admission))
+                      pooling=PoolingServing(config, engine, tokenizer, metrics, admission),
+                      lora=lora)
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -144,6 +144,26 @@ class ChannelPool:
                 self.control_calls.observe("SetPaused", code, time.monotonic() - start)
         return held
 
+    async def load_lora_adapter(self, address: str, role: str,
+                                adapter: engine_pb2.LoRAAdapter) -> engine_pb2.LoRAAdapterList:
+        """LoadLoRAAdapter (the instance reads the adapter's files: request_timeout)."""
+        return await self._stub(address, role).LoadLoRAAdapter(
+            engine_pb2.LoadLoRAAdapterRequest(adapter=adapter), timeout=self.request_timeout,
+            metadata=self._metadata())
+
+    async def unload_lora_adapter(self, address: str, role: str, lora_name: str) -> bool:
+        """UnloadLoRAAdapter; False when the instance had no adapter of that name. (It
+        answers once the requests running under the adapter are done: request_timeout.)"""
+        resp = await self._stub(address, role).UnloadLoRAAdapter(
+            engine_pb2.UnloadLoRAAdapterRequest(lora_name=lora_name),
+            timeout=self.request_timeout, metadata=self._metadata())
+        return resp.unloaded
+
+    async def list_lora_adapters(self, address: str, role: str) -> engine_pb2.LoRAAdapterList:
+        return await self._stub(address, role).ListLoRAAdapters(
+            engine_pb2.ListLoRAAdaptersRequest(), timeout=self.rpc_timeout,
+            metadata=self._metadata())
+
     def _call_done(self, address: str) -> None:
         self._active[address] -= 1
         if self._active[address] <= 0:

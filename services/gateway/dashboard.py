@@ -191,7 +191,8 @@ def frame_json(f: pb.StateFrame, address: str, role: str) -> dict:
             "num_pinned_blocks", "num_running", "num_waiting", "block_size", "model")},
         "requests": [{"id": r.request_id, "status": r.status, "blocks": list(r.block_ids),
                       "cached": r.num_cached_tokens, "computed": r.num_computed_tokens,
-                      "prompt": r.num_prompt_tokens, "tokens": r.num_tokens}
+                      "prompt": r.num_prompt_tokens, "tokens": r.num_tokens,
+                      "lora": r.lora_name}
                      for r in f.requests],
         "transfers": [{"id": t.request_id, "direction": t.direction, "peer": t.peer,
                        "blocks": t.num_blocks, "seconds": round(t.seconds, 3)}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
 
+from pdserve.services.common.lora_modules import adapter_to_proto
 from pdserve.services.gateway.channel_pool import ChannelPool
 from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError, no_backend
@@ -32,8 +33,10 @@ from pdserve.services.gateway.health import (
     HealthTracker,
     discover_engine,
 )
+from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.placement import Placer
 from pdserve.services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.proto import engine_pb2
 from pdserve.shared.stop_rules import at_length_limit
 
@@ -85,6 +88,8 @@ class EngineClient:
             placer.health = self.health
         self.failover_stats = FailoverStats()
         self._info: EngineInfo | None = None
+        self.lora: LoRAView | None = None
+        """The cluster's LoRA adapters (placement keeps a request where its adapter is)."""
 
     async def _addresses(self) -> tuple[list[str], list[str]]:
         return await asyncio.gather(self.placer.addresses("prefill"),
@@ -123,9 +128,11 @@ class EngineClient:
 
     async def generate(self, engine_request_id: str, prompt_token_ids: list[int],
                        params: engine_pb2.SamplingParams, *, cache_salt: str | None,
-                       request_id: str) -> AsyncIterator[EngineOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[EngineOutput]:
         """The engine's outputs for one request, ending with the one that has a finish; only
-        the first output carries num_cached_tokens.
+        the first output carries num_cached_tokens. `lora_request`: the adapter (None: the
+        base model); placed on the instances that have it loaded.
 
         Raises:
             GatewayError: 503 when no decode instance is usable or the retry budget is spent;
@@ -139,6 +146,8 @@ class EngineClient:
         num_retries = 0
         overload_waits: list[float] = []
         retrying: AttemptFailed | None = None  # counted once placed again
+        with_adapter = None if lora_request is None or self.lora is None else \
+            await self.lora.addresses_with(lora_request)
         cached_reported = False
         while True:
             if output_token_ids and at_length_limit(params, info.max_model_len,
@@ -148,7 +157,8 @@ class EngineClient:
             placement = await self.placer.place(
                 prompt_token_ids, model_name=info.model_name, block_size=info.block_size,
                 cache_salt=cache_salt, avoid=avoid, local_prefill=bool(output_token_ids),
-                quantization=info.quantization)
+                quantization=info.quantization, lora_request=lora_request,
+                prefer=with_adapter)
             if placement is None:
                 if num_retries:
                     stats.exhausted += 1
@@ -169,7 +179,8 @@ class EngineClient:
                 request_id=f"{engine_request_id}-retry{num_retries}" if num_retries
                 else engine_request_id, prompt_token_ids=prompt_token_ids,
                 output_token_ids=output_token_ids, sampling_params=params,
-                cache_salt=cache_salt or "")
+                cache_salt=cache_salt or "",
+                lora_request=None if lora_request is None else adapter_to_proto(lora_request))
             try:
                 async with aclosing(prefill_then_decode(self.channels, self.placer, placement,
                                                         decode_req, request_id)) as outputs:

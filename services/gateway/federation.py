@@ -38,6 +38,7 @@ VLLM_NAMES: dict[str, str] = {
     "vllm:prefix_cache_queries": "pdserve_prefix_cache_queries",
     "vllm:prefix_cache_hits": "pdserve_prefix_cache_hits",
     "vllm:num_preemptions": "pdserve_num_preemptions",
+    "vllm:lora_requests_info": "pdserve_lora_requests_info",
     "vllm:inter_token_latency_seconds": "pdserve_inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds": "pdserve_inter_token_latency_seconds",
     "vllm:spec_decode_num_drafts": "pdserve_spec_decode_num_drafts",

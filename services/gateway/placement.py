@@ -1,5 +1,9 @@
 """Placement: which prefill and decode instance serve a request (cache-aware, then least loaded).
 
+A request under a LoRA adapter is placed among the instances that have it loaded
+(`prefer`, services/gateway/lora.py; all of them when none has) and its prompt hashes under
+the adapter, as the engines hash its blocks (`request_extra_keys`).
+
 Candidates come from the live registry (the gateway's `registry_view.RegistryView`, a
 copy of the Redis index refreshed in the background each second, so no request waits on
 Redis; or any object with the same two methods), asked for every placement: instances that
@@ -38,7 +42,8 @@ from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.shared.kv_cache.prefix_hash import ExtraKey, block_extra_keys, hash_request_tokens
+from pdserve.shared.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +176,12 @@ class Placer:
 
     async def _cached_blocks(self, prompt_token_ids: Sequence[int], model_name: str,
                              cache_salt: str | None, block_size: int,
-                             quantization: str = "none") -> dict[str, int]:
+                             quantization: str = "none",
+                             lora_request: LoRARequest | None = None) -> dict[str, int]:
         if self.registry is None or len(prompt_token_ids) < block_size:
             return {}
-        hashes = hash_request_tokens(prompt_token_ids, block_size,
-                                     block_extra_keys(model_name, cache_salt, quantization))
+        hashes = hash_request_tokens(prompt_token_ids, block_size, request_extra_keys(
+            model_name, cache_salt, quantization, lora_request))
         try:
             return dict(await self.registry.longest_prefix(hashes))
         except Exception as e:  # no affinity without the index, but still serve
@@ -185,12 +191,16 @@ class Placer:
     async def place(self, prompt_token_ids: Sequence[int], *, model_name: str,
                     block_size: int, cache_salt: str | None = None,
                     avoid: Collection[str] = (), local_prefill: bool = False,
-                    quantization: str = "none") -> Placement | None:
+                    quantization: str = "none", lora_request: LoRARequest | None = None,
+                    prefer: Collection[str] | None = None) -> Placement | None:
         """Pick the instances for one engine request; None when no decode instance exists
-        (or none is usable). `local_prefill`: always let the decode instance prefill."""
+        (or none is usable). `local_prefill`: always let the decode instance prefill.
+        `lora_request`: the request's adapter (its blocks hash under it); `prefer`: the
+        instances that have it loaded: the decode is one of them if any is usable, and so is
+        the prefill, else the decode prefills itself."""
         cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size,
-                                           quantization)
-        candidates = await self._decode_candidates(cached, avoid)
+                                           quantization, lora_request)
+        candidates = _preferred(await self._decode_candidates(cached, avoid), prefer)
         min_cached_blocks = max(1, math.ceil(
             MIN_CACHED_FRACTION * len(prompt_token_ids) / block_size))
         decode = self._best(candidates, min_cached_blocks)
@@ -202,7 +212,8 @@ class Placer:
             return Placement(None, decode.address)
         uncached = len(prompt_token_ids) - decode.num_cached_blocks * block_size
         prefill = self._best([c for c in self._usable(await self._candidates("prefill", cached))
-                              if c.address not in avoid], min_cached_blocks)
+                              if c.address not in avoid
+                              and (prefer is None or c.address in prefer)], min_cached_blocks)
         if prefill is None or uncached < self.local_prefill_threshold:
             return Placement(None, decode.address)
         if self.max_prefill_queue_size and \
@@ -227,3 +238,18 @@ class Placer:
         best = self._best([c for c in usable if c.address not in avoid], max(1, math.ceil(
             MIN_CACHED_FRACTION * len(prompt_token_ids) / block_size)))
         return None if best is None else best.address
+
+
+def _preferred(candidates: list[Candidate], prefer: Collection[str] | None) -> list[Candidate]:
+    """The candidates in `prefer` (all of them when `prefer` is None or none is in it)."""
+    if prefer is None:
+        return candidates
+    return [c for c in candidates if c.address in prefer] or candidates
+
+
+def request_extra_keys(model_name: str, cache_salt: str | None, quantization: str,
+                       lora_request: LoRARequest | None) -> tuple[ExtraKey, ...]:
+    """The first block's extra keys as the engines hash them (the KV cache manager's): an
+    adapter's blocks hash apart from the base model's and every other adapter's."""
+    return block_extra_keys(model_name, cache_salt, quantization,
+                            lora_name=None if lora_request is None else lora_request.lora_name)

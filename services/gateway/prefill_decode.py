@@ -104,7 +104,9 @@ async def prefill_then_decode(
                 resp = await channels.prefill(address, engine_pb2.PrefillRequest(
                     request_id=engine_request_id, prompt_token_ids=decode_req.prompt_token_ids,
                     sampling_params=decode_req.sampling_params,
-                    cache_salt=decode_req.cache_salt), request_id)
+                    cache_salt=decode_req.cache_salt,
+                    lora_request=decode_req.lora_request
+                    if decode_req.HasField("lora_request") else None), request_id)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRIABLE_PREFILL:
                     raise from_grpc_error(e, "Prefill") from None

@@ -12,6 +12,7 @@ from starlette.routing import Route
 from pdserve.services.gateway.dashboard import dashboard_feed, dashboard_page, dashboard_script
 from pdserve.services.gateway.debug import kv_audit
 from pdserve.services.gateway.errors import GatewayError, error_response, model_not_found
+from pdserve.services.gateway.lora import load_lora_adapter, unload_lora_adapter
 from pdserve.services.gateway.openapi import build_openapi
 from pdserve.services.gateway.protocol import (
     ChatCompletionRequest,
@@ -58,16 +59,27 @@ async def _model_card(request: Request) -> dict:
             "max_model_len": await gw.tokenization.max_model_len()}
 
 
+async def _cards(request: Request) -> list[dict]:
+    """The served model's card, then one per LoRA adapter (`parent`: the base model, as
+    vLLM's)."""
+    base = await _model_card(request)
+    lora = request.app.state.gateway.lora
+    return [base] + [{**base, "id": a.lora_name, "root": a.lora_path, "parent": base["id"]}
+                     for a in (await lora.adapters() if lora is not None else [])]
+
+
 async def list_models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [await _model_card(request)]})
+    return JSONResponse({"object": "list", "data": await _cards(request)})
 
 
 async def retrieve_model(request: Request) -> Response:
-    """GET /v1/models/{model}: the card of the served model (404 for any other name)."""
+    """GET /v1/models/{model}: the card of the served model or an adapter (404 for any
+    other name)."""
     model = request.path_params["model"]
-    if model != request.app.state.gateway.config.served_model_name:
-        raise model_not_found(model)
-    return JSONResponse(await _model_card(request))
+    for card in await _cards(request):
+        if card["id"] == model:
+            return JSONResponse(card)
+    raise model_not_found(model)
 
 
 async def version(request: Request) -> Response:
@@ -213,6 +225,8 @@ ROUTES = [
     Route("/openapi.json", openapi, methods=["GET"]),
     Route("/docs", docs, methods=["GET"]),
     Route("/debug/kv-audit", kv_audit, methods=["GET"]),
+    Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+    Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     Route("/dashboard", dashboard_page, methods=["GET"]),
     Route("/dashboard/app.js", dashboard_script, methods=["GET"]),
     Route("/dashboard/feed", dashboard_feed, methods=["GET"]),

@@ -24,6 +24,7 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError, bad_request, model_not_found
 from pdserve.services.gateway.failover import EngineClient
 from pdserve.services.gateway.generation_config import load_generation_defaults
+from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
 from pdserve.services.gateway.prefill_decode import EngineOutput
@@ -33,6 +34,7 @@ from pdserve.services.gateway.stop_checker import StopTable
 from pdserve.services.gateway.streams import merge_streams, run_until_disconnect
 from pdserve.services.gateway.structured_outputs import name_param
 from pdserve.services.gateway.tokenization import GatewayTokenizer
+from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -180,10 +182,12 @@ class OpenAIServing:
     def __init__(self, config: GatewayConfig, engine: EngineClient,
                  tokenizer: GatewayTokenizer, metrics: GatewayMetrics,
                  admission: AdmissionQueue | None = None,
-                 shutdown: ShutdownNotice | None = None) -> None:
+                 shutdown: ShutdownNotice | None = None, lora: LoRAView | None = None) -> None:
         """`admission`: the waiting queue the endpoints share (default: one of their own).
-        `shutdown`: tells when the grace period of a shutdown ends (shutdown.py)."""
+        `shutdown`: tells when the grace period of a shutdown ends (shutdown.py). `lora`: the
+        cluster's LoRA adapters (None: `model` names the base model only)."""
         self.config = config
+        self.lora = lora
         self.shutdown = shutdown or ShutdownNotice()
         self.engine = engine
         self.tokenizer = tokenizer
@@ -221,17 +225,35 @@ class OpenAIServing:
                 f"tokens. Please reduce the length of the input.", param)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.served_model_name:
+        """The served model, or a LoRA adapter the cluster had loaded when last seen
+        (tokenization: same tokenizer); else vLLM's 404."""
+        if model is not None and model != self.config.served_model_name and \
+                (self.lora is None or not self.lora.is_known(model)):
             raise model_not_found(model)
+
+    async def resolve_model(self, model: str | None,
+                            use_beam_search: bool = False) -> LoRARequest | None:
+        """The LoRA adapter `model` names (None: the base model). Raises GatewayError: 404
+        (vLLM's) for an unknown model, 400 for beam search under an adapter."""
+        if self.lora is None:
+            self.check_model(model)
+            return None
+        lora = await self.lora.resolve(model)
+        if lora is not None and use_beam_search:
+            raise bad_request("use_beam_search is not supported with a LoRA adapter",
+                              "use_beam_search")
+        return lora
 
     def start(self, prompts: list[PromptInput], sampling: list[SamplingParams], *,
               stop: list[str], include_stop_str_in_output: bool, logprobs: bool,
               cache_salt: str | None, engine_prefix: str, request_id: str,
-              guided_param: str | None = None) -> ChoiceRun:
+              guided_param: str | None = None,
+              lora_request: LoRARequest | None = None) -> ChoiceRun:
         """Start n engine requests per prompt; choice index = prompt index * n + i.
 
         `guided_param`: the request field the output constraint came from (an engine's 400,
-        the constraint does not compile, names it).
+        the constraint does not compile, names it). `lora_request`: the adapter
+        (`resolve_model`), None for the base model.
 
         Raises:
             QueueFullError: 429, the waiting queue cannot take them now (nothing started).
@@ -251,7 +273,7 @@ class OpenAIServing:
                 processors.append(proc)
                 streams.append(_run_choice(grant, index, proc, self.engine.generate(
                     f"{engine_prefix}-{index}", prompt.token_ids, to_engine_params(sp, i),
-                    cache_salt=cache_salt, request_id=request_id)))
+                    cache_salt=cache_salt, request_id=request_id, lora_request=lora_request)))
         for sp in sampling:
             self.metrics.request_params_n.observe(sp.n)
             for _ in range(sp.n):

@@ -97,7 +97,7 @@ class ChatServing(OpenAIServing):
         what builds its answer (also the Responses API's path, serving_responses.py). A beam
         search is answered here, whole."""
         check_unsupported(req)
-        self.check_model(req.model)
+        lora = await self.resolve_model(req.model, bool(req.use_beam_search))
         check_limits(req, self.config)
         check_logprobs(req.top_logprobs, "top_logprobs", self.config.max_logprobs)
         check_prompt_logprobs(req, self.config.max_logprobs)
@@ -143,7 +143,7 @@ class ChatServing(OpenAIServing):
                          include_stop_str_in_output=req.include_stop_str_in_output,
                          logprobs=req.logprobs, cache_salt=salt,
                          engine_prefix=state.engine_request_prefix, request_id=state.request_id,
-                         guided_param=guided_param)
+                         guided_param=guided_param, lora_request=lora)
         return run, out
 
     def _entry(self, token_id: int, logprob: float, as_token_ids: bool) -> dict:

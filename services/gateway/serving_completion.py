@@ -75,7 +75,7 @@ class CompletionServing(OpenAIServing):
 
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         check_unsupported(req)
-        self.check_model(req.model)
+        lora = await self.resolve_model(req.model, bool(req.use_beam_search))
         check_limits(req, self.config)
         check_logprobs(req.logprobs, "logprobs", self.config.max_logprobs)
         check_prompt_logprobs(req, self.config.max_logprobs)
@@ -125,7 +125,8 @@ class CompletionServing(OpenAIServing):
                              include_stop_str_in_output=req.include_stop_str_in_output,
                              logprobs=req.logprobs is not None, cache_salt=salt,
                              engine_prefix=state.engine_request_prefix,
-                             request_id=state.request_id, guided_param=guided_param)
+                             request_id=state.request_id, guided_param=guided_param,
+                             lora_request=lora)
             if prompt_only:
                 run = _prompt_only(run)
         return await self.respond(request, run, bool(req.stream), out.build_response,

@@ -315,7 +315,7 @@
         const short = r.id.length > 18 ? r.id.slice(0, 17) + "…" : r.id;
         const table = r.blocks.slice(0, 24).map((b, j) => `${j}→${b}`).join(" ") + (r.blocks.length > 24 ? " …" : "");
         return `<tr class="req${r.id === this.selected ? " selected" : ""}" data-rid="${esc(r.id)}">` +
-          `<td title="${esc(r.id)}">${esc(short)}</td><td>${esc(r.status)}</td>` +
+          `<td title="${esc(r.id)}">${esc(short)}</td><td>${esc(r.status)}${r.lora ? " · " + esc(r.lora) : ""}</td>` +
           `<td>${r.computed}/${r.tokens}</td><td>${r.cached}</td><td>${r.blocks.length}</td>` +
           `<td class="blocks">${table}</td></tr>`;
       });
