@@ -15,11 +15,11 @@ When the LoRA tokens already lie in slot order (`token_indices` None: one adapte
 requests grouped by adapter), the segments are batch rows and the gather/scatter go away:
 y[start:end] += (x[start:end] @ A_s^T) @ B_s^T in place (addmm_).
 
-`add_lora_bmm` is the other formulation measured (benchmarks/lora.py: "cpu kernels"): every
-slot padded to the longest segment and two `torch.bmm`s. At batch 32 over 4 adapters on this
-project's 2-core machine the segment loop was the faster (see docs in benchmarks/lora.py's
-output and the commit), and it wastes nothing on a step that mixes a long prefill chunk with
-decodes of other adapters, so it is the one the engine runs.
+`add_lora_bmm` is the padded formulation: every slot's tokens padded to the longest segment,
+two `torch.bmm`s over all slots: fewer, larger ops, which win when the segments are about
+equally long (decodes spread over the adapters: 32 tokens over 4 adapters measured ~2.5x
+faster than the loop, benchmarks/lora.py); the loop wastes nothing on a step that mixes a
+long prefill chunk with decodes of other adapters. `shared/lora/mapping.py` picks per step.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def add_lora_segments(y: torch.Tensor, x: torch.Tensor, lora_a_t: list[torch.Ten
 
 
 def add_lora_bmm(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                 padded_indices: torch.Tensor, valid: torch.Tensor) -> None:
+                 padded_indices: torch.Tensor, valid: torch.Tensor | None) -> None:
     """In place, the padded formulation: every slot's tokens padded to the longest segment.
 
     Args:
@@ -66,12 +66,15 @@ def add_lora_bmm(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b:
         lora_a: [num_slots, R, in] stacked A (zero-padded ranks; zeros for empty slots).
         lora_b: [num_slots, out, R] stacked B (scale folded in).
         padded_indices: [num_slots, max_len] int64 batch rows, padding rows point at row 0.
-        valid: [num_slots * max_len] bool, False on padding.
+        valid: [num_slots * max_len] bool, False on padding; None: no padding.
     """
     num_slots, max_len = padded_indices.shape
     xs = x.index_select(0, padded_indices.view(-1)).view(num_slots, max_len, -1)
     delta = torch.bmm(torch.bmm(xs, lora_a.transpose(1, 2)), lora_b.transpose(1, 2))
-    y.index_add_(0, padded_indices.view(-1)[valid], delta.view(-1, y.shape[1])[valid])
+    if valid is None:
+        y.index_add_(0, padded_indices.view(-1), delta.view(-1, y.shape[1]))
+    else:
+        y.index_add_(0, padded_indices.view(-1)[valid], delta.view(-1, y.shape[1])[valid])
 
 
 def lora_reference(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from pdserve.kernels.lora_cpu import add_lora_segments
+from pdserve.kernels.lora_cpu import add_lora_bmm, add_lora_segments
 from pdserve.shared.lora.mapping import LoRAMapping
 from pdserve.shared.lora.peft_loader import FusedLinearShape, LoRALayerWeights
 
@@ -81,7 +81,9 @@ class LinearWithLoRA(nn.Module):
         mapping = self.context.mapping
         if mapping is None:
             return y
-        if mapping.sgmv is not None:
+        if mapping.padded is not None:
+            add_lora_bmm(y, x, self.lora_a, self.lora_b, *mapping.padded)
+        elif mapping.sgmv is not None:
             from pdserve.kernels.triton_lora import add_lora_sgmv
 
             add_lora_sgmv(y, x.contiguous(), self.lora_a, self.lora_b, *mapping.sgmv)

@@ -151,7 +151,8 @@ class LoRAModelManager:
             request_slots.append(slot)
         q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64,
                              len(scheduled))
-        with self.context.step(build_lora_mapping(request_slots, q_lens, self.device)):
+        mapping = build_lora_mapping(request_slots, q_lens, self.device, len(self.slot_ids))
+        with self.context.step(mapping):
             yield
 
     def _activate(self, lora_int_id: int, taken: dict[int, int]) -> int:

@@ -48,6 +48,25 @@ def test_segment_loop_matches_the_reference(request_slots, q_lens, sorted_form):
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("request_slots, q_lens, padding", [
+    ([1, -1, 0, 2, 1, 0, 2, 2], [1] * 8, True),  # decodes, slot 2 has one more
+    ([1, 0, 2, 1, 0, 2], [1] * 6, False),        # evenly spread: no padding at all
+])
+def test_balanced_steps_get_the_padded_bmm_form(request_slots, q_lens, padding):
+    lora_a, lora_b = make_weights(3, 6, 10, 14, seed=2)
+    mapping = build_lora_mapping(request_slots, np.asarray(q_lens), CPU, num_slots=3)
+    assert mapping is not None and mapping.padded is not None
+    assert (mapping.padded[1] is not None) == padding
+    token_slots = torch.from_numpy(np.repeat(np.asarray(request_slots), q_lens))
+    x, y = torch.randn(len(token_slots), 10), torch.randn(len(token_slots), 14)
+    expected = y + lora_reference(x, lora_a, lora_b, token_slots)
+    add_lora_bmm(y, x, lora_a, lora_b, *mapping.padded)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # a long chunk beside decodes would pad every slot to it: the loop instead
+    chunky = build_lora_mapping([0, 1, 2], np.asarray([30, 1, 1]), CPU, num_slots=3)
+    assert chunky.padded is None and chunky.token_indices is None
+
+
 def test_a_step_without_adapters_has_no_mapping():
     assert build_lora_mapping([-1, -1], np.asarray([1, 7]), CPU) is None
 
