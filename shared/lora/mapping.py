@@ -64,8 +64,8 @@ def build_lora_mapping(request_slots: list[int], q_lens: np.ndarray, device: tor
     breaks = np.flatnonzero((np.diff(slots_of_rows) != 0) | (np.diff(lora_rows) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(lora_rows)]))
-    num_slots = len(np.unique(slots_of_rows))
-    if device.type != "cuda" and len(starts) <= num_slots + 1:
+    num_used_slots = len(np.unique(slots_of_rows))
+    if device.type != "cuda" and len(starts) <= num_used_slots + 1:
         # NOTE: a run costs two small matmuls; a gather + scatter about as much as one more
         # run: few runs go as they are.
         return LoRAMapping([(int(slots_of_rows[s]), int(lora_rows[s]),
