@@ -14,6 +14,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from pdserve.services.common.lora_modules import check_adapter_dir, parse_lora_modules
 from pdserve.services.gateway.config import add_compat_args
 from pdserve.services.gateway.tool_parsers import check_tool_call_parser
 from pdserve.shared.engine_args import EngineArgs, parse_cores
@@ -68,6 +69,9 @@ class UpConfig:
     restart_engines: bool = True
     """Start a prefill or decode replica or the Redis started here that died again (with a
     backoff); False: any child's death stops everything."""
+    lora_modules: tuple[str, ...] = ()
+    """`--lora-modules` values, passed as given to every prefill and decode replica (each
+    loads them before it serves; the gateway learns them from the registry)."""
 
 
 _PORT_FLAGS = {
@@ -173,6 +177,9 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
                    help="shared secret for the gRPC calls between the gateway, prefill and "
                         "decode (or set PDSERVE_INTERNAL_TOKEN); default: a random one per launch")
+    g.add_argument("--lora-modules", nargs="+", action="extend", default=[],
+                   help="LoRA adapters every replica loads before serving, as vLLM: "
+                        "name=path or a JSON object (needs --enable-lora)")
     g.add_argument("--num-prefill", type=int, default=1, help="prefill replicas")
     g.add_argument("--num-decode", type=int, default=1, help="decode replicas")
     g.add_argument("--prefill-cpu-cores", default=None,
@@ -212,7 +219,8 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
         "cpu_cores": parse_cores(engine_args.cpu_cores),
         "prefill_cpu_cores": _cores(ns.prefill_cpu_cores),
         "decode_cpu_cores": _cores(ns.decode_cpu_cores), "core_share_path": engine_args.core_share,
-        "redis_url": ns.redis_url or None, "log_level": str(ns.log_level).upper()})
+        "redis_url": ns.redis_url or None, "log_level": str(ns.log_level).upper(),
+        "lora_modules": tuple(ns.lora_modules)})
     for name in ("num_prefill", "num_decode"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -224,6 +232,11 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     if config.shutdown_timeout <= 0 or config.startup_timeout <= 0:
         raise ValueError("--shutdown-timeout and --startup-timeout must be > 0")
     check_tool_call_parser(ns.tool_call_parser)  # before any service starts
+    engine_args.create_lora_config()
+    for lora in parse_lora_modules(config.lora_modules):  # a bad one: before any start
+        check_adapter_dir(lora)
+    if config.lora_modules and not engine_args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     if resolve_runner(engine_args.runner, engine_args.convert) == "pooling":  # no decode
         PoolerConfig.from_flags(engine_args.pooler_config, engine_args.override_pooler_config)
     return config

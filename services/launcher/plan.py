@@ -187,6 +187,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                     "--grace-period", f"{grace:g}", *engine_flags(args)]
             if cores[i]:
                 argv += ["--cpu-cores", format_cores(cores[i])]
+            if config.lora_modules:
+                argv += ["--lora-modules", *config.lora_modules]
             children.append(ChildSpec(f"{role}-{i}", tuple(argv), Probe("grpc", address),
                                       stage=1, ports=(port, metrics_port), cores=cores[i],
                                       env=token_env))
