@@ -19,10 +19,7 @@ from pdserve.shared.proto import engine_pb2 as pb
 def lora_stats_op(engine) -> tuple[set[str], set[str], int] | None:
     """(running adapter names, waiting adapter names, max_loras) for vLLM's
     lora_requests_info; None when the engine serves no LoRA (an engine-thread op)."""
-    lora_stats = getattr(engine, "lora_stats", None)
-    if lora_stats is None:
-        return None
-    running, waiting, max_loras = lora_stats()
+    running, waiting, max_loras = engine.lora_stats()
     return None if not max_loras else (set(running), set(waiting), int(max_loras))
 
 

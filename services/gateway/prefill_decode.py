@@ -18,7 +18,7 @@ from typing import NamedTuple
 import grpc
 
 from pdserve.services.gateway.channel_pool import ChannelPool
-from pdserve.services.gateway.errors import from_grpc_error
+from pdserve.services.gateway.errors import GatewayError, from_grpc_error, model_not_found
 from pdserve.services.gateway.placement import Placement, Placer
 from pdserve.shared.proto import engine_pb2
 
@@ -109,7 +109,7 @@ async def prefill_then_decode(
                     if decode_req.HasField("lora_request") else None), request_id)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRIABLE_PREFILL:
-                    raise from_grpc_error(e, "Prefill") from None
+                    raise _adapter_gone(e, decode_req) or from_grpc_error(e, "Prefill") from None
                 failed = address
                 raise AttemptFailed(address, "prefill", e) from None
             finally:
@@ -141,6 +141,8 @@ async def prefill_then_decode(
             # NOTE: a full decode when the client already has tokens (a started stream): a
             # 429 now would break it; wait for room instead (the failover loop).
             overloaded = is_overloaded(e) and bool(decode_req.output_token_ids)
+            if (gone := _adapter_gone(e, decode_req)) is not None:
+                raise gone from None
             if not overloaded and e.code() not in RETRIABLE_GENERATE:
                 raise from_grpc_error(e, "Generate") from None
             failed = address
@@ -156,6 +158,16 @@ async def prefill_then_decode(
             for address, role in used:
                 if address != failed:  # it ended the call itself, or is gone
                     channels.abort_soon(address, role, [engine_request_id], request_id)
+
+
+def _adapter_gone(error: grpc.aio.AioRpcError,
+                  decode_req: engine_pb2.DecodeRequest) -> GatewayError | None:
+    """vLLM's 404 when the instance no longer has the request's LoRA adapter (unloaded
+    since the gateway looked; services/common/lora.py's NOT_FOUND), else None."""
+    if error.code() != _CODE.NOT_FOUND or not decode_req.HasField("lora_request") or \
+            not (error.details() or "").startswith("LoRA adapter"):
+        return None
+    return model_not_found(decode_req.lora_request.lora_name)
 
 
 def _stop_reason(message: engine_pb2.PrefillResponse | engine_pb2.TokenChunk) -> int | None:

@@ -260,3 +260,15 @@ async def test_a_bad_start_up_adapter_fails_the_start_in_one_line(model_path, ad
         assert "rank" in runtime.startup_error
     finally:
         await runtime.stop(0)
+
+
+async def test_lora_requests_info_gauge(setup):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for runtime in setup.cluster.runtimes:
+        await runtime.monitor.tick()
+        families = {f.name: f for f in text_string_to_metric_families(
+            runtime.worker.metrics.render().decode())}
+        (sample,) = families["pdserve_lora_requests_info"].samples
+        assert sample.labels["max_lora"] == "2"
+        assert {"running_lora_adapters", "waiting_lora_adapters"} <= set(sample.labels)
