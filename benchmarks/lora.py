@@ -93,7 +93,8 @@ def kernel_ms(num_tokens: int, num_adapters: int, repeats: int = 200) -> dict[st
               for s in range(num_adapters)]
     per = num_tokens // num_adapters
     padded = order.view(num_adapters, per)
-    valid = torch.ones(num_tokens, dtype=torch.bool)
+    source_rows = torch.empty(num_tokens, dtype=torch.int64)
+    source_rows[padded.reshape(-1)] = torch.arange(num_tokens)
     cases = []
     for n_in, n_out, parts in FUSED_SHAPES:
         a = torch.randn(num_adapters, parts * RANK, n_in, generator=g)
@@ -109,7 +110,7 @@ def kernel_ms(num_tokens: int, num_adapters: int, repeats: int = 200) -> dict[st
                 if name == "segments":
                     add_lora_segments(y, x, a_t, b_t, bounds, order)
                 else:
-                    add_lora_bmm(y, x, a, b, padded, valid)
+                    add_lora_bmm(y, x, a, b, padded, source_rows)
         result[name] = (time.perf_counter() - t0) / repeats * 1e3
     return result
 

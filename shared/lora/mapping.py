@@ -37,10 +37,10 @@ class LoRAMapping:
     batch directly when `token_indices` is None)."""
     token_indices: torch.Tensor | None
     """[L] int64 batch rows of the LoRA tokens sorted by slot; None: segments are batch rows."""
-    padded: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    padded: tuple[torch.Tensor, torch.Tensor] | None = None
     """CPU, balanced steps: ([num_slots, max_len] int64 batch rows of each slot's tokens,
-    padding -> row 0; [num_slots * max_len] bool, False on padding, None: no padding) for
-    `add_lora_bmm`."""
+    padding -> row 0; [num_tokens] int64 each row's row of the padded delta, the zero row
+    num_slots * max_len for base tokens) for `add_lora_bmm`."""
     sgmv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
     """CUDA only: (token_indices, seg_start, seg_len, seg_slot, max_seg_len) on the device,
     the Triton kernels' arguments (always sorted form)."""
@@ -81,12 +81,12 @@ def build_lora_mapping(request_slots: list[int], q_lens: np.ndarray, device: tor
     max_len = int((seg_end - seg_start).max())
     if device.type != "cuda" and 0 < num_slots * max_len <= MAX_PADDING * len(order):
         padded = np.zeros((num_slots, max_len), np.int64)
-        valid = np.zeros((num_slots, max_len), np.bool_)
+        source_rows = np.full(len(token_slots), num_slots * max_len, np.int64)
         for slot, start, end in segments:
             padded[slot, :end - start] = token_indices[start:end]
-            valid[slot, :end - start] = True
-        mask = None if valid.all() else torch.from_numpy(valid.reshape(-1))
-        return LoRAMapping(segments, indices, padded=(torch.from_numpy(padded), mask))
+            source_rows[token_indices[start:end]] = slot * max_len + np.arange(end - start)
+        return LoRAMapping(segments, indices, padded=(torch.from_numpy(padded),
+                                                      torch.from_numpy(source_rows)))
     sgmv = None
     if device.type == "cuda":
         as_i32 = [torch.from_numpy(a.astype(np.int32)).to(device)
