@@ -48,8 +48,12 @@ REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v2/rerank": RerankRequest,
 }
 _SUMMARIES = {
-    "/v1/models": "The served model.",
-    "/v1/models/{model}": "One model's card (404 unless it is the served model).",
+    "/v1/models": "The served model and its LoRA adapters (`parent`: the base model).",
+    "/v1/models/{model}": "One model's or adapter's card (404 for any other name).",
+    "/v1/load_lora_adapter": "vLLM's: load a LoRA adapter {lora_name, lora_path} on every "
+                             "instance, all or nothing (admin key).",
+    "/v1/unload_lora_adapter": "vLLM's: unload a LoRA adapter {lora_name} everywhere "
+                               "(admin key).",
     "/ping": "As /health (vLLM's, for SageMaker-style load balancers).",
     "/version": "The pdserve version.",
     "/docs": "Swagger UI over this document.",
