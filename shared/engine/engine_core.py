@@ -212,7 +212,8 @@ class EngineCore:
 
     def lora_stats(self) -> LoRAStats:
         """Running and waiting adapters' names, and max_loras (vllm:lora_requests_info)."""
-        return lora_stats(self.scheduler.running, self.scheduler.waiting,
+        waiting = [*self.scheduler.waiting, *self.scheduler.waiting_for_remote_kvs.values()]
+        return lora_stats(self.scheduler.running, waiting,
                           self.lora_config.max_loras if self.lora_config else 0)
 
     def _lora_manager(self) -> LoRAModelManager:
