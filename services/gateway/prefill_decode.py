@@ -163,9 +163,14 @@ async def prefill_then_decode(
 def _adapter_gone(error: grpc.aio.AioRpcError,
                   decode_req: engine_pb2.DecodeRequest) -> GatewayError | None:
     """vLLM's 404 when the instance no longer has the request's LoRA adapter (unloaded
-    since the gateway looked; services/common/lora.py's NOT_FOUND), else None."""
-    if error.code() != _CODE.NOT_FOUND or not decode_req.HasField("lora_request") or \
-            not (error.details() or "").startswith("LoRA adapter"):
+    since the gateway looked: services/common/lora.py's NOT_FOUND, or the engine's refusal
+    of a request that raced the unload), else None."""
+    details = error.details() or ""
+    if not decode_req.HasField("lora_request") or not (
+            (error.code() == _CODE.NOT_FOUND and details.startswith("LoRA adapter"))
+            or (error.code() == _CODE.INVALID_ARGUMENT
+                and details.startswith("lora_request: LoRA adapter")
+                and "is not loaded" in details)):
         return None
     return model_not_found(decode_req.lora_request.lora_name)
 

@@ -155,6 +155,7 @@ async def test_load_serve_unload_through_the_admin_routes(setup, tmp_path):
         assert r.status_code == 200, r.text
         assert "gamma" in {m.id for m in (await setup.gateway.client.models.list()).data}
         assert await complete(setup, "gamma", 0) == setup.reference["gamma"][0]
+        await _another_gateway_serves_gamma(setup)
         again = await http.post("/v1/load_lora_adapter", json={
             "lora_name": "gamma", "lora_path": setup.paths["gamma"]})
         assert again.status_code == 400 and "already been loaded" in again.text
@@ -173,6 +174,24 @@ async def test_load_serve_unload_through_the_admin_routes(setup, tmp_path):
     for runtime in setup.cluster.runtimes:
         assert set(runtime.worker.lora.adapters) == {"alpha", "beta"}
     assert await complete(setup, "alpha", 1) == setup.reference["alpha"][1]
+
+
+async def _another_gateway_serves_gamma(setup: Setup) -> None:
+    """A gateway that knows the instances from Redis only lists and serves the adapter the
+    first one loaded (the instances registered it)."""
+    empty = dataclasses.make_dataclass("Urls", ["prefill_urls", "decode_urls"])((), ())
+    async with running_gateway(setup.gateway.config.model_path, empty, served_model_name=SERVED,
+                               redis_url=setup.gateway.config.redis_url) as gw2:
+        client = gw2.client.with_options(timeout=120)
+        for _ in range(100):
+            if "gamma" in {m.id for m in (await client.models.list()).data}:
+                break
+            await asyncio.sleep(0.1)
+        out = await client.completions.create(
+            model="gamma", prompt=setup.prompt_ids[0], max_tokens=MAX_TOKENS, temperature=0.0,
+            extra_body={"ignore_eos": True})
+        assert out.choices[0].text == setup.gateway.app.state.gateway.tokenizer.decode(
+            setup.reference["gamma"][0])
 
 
 async def test_decode_refuses_kv_of_another_adapter(setup):
