@@ -57,9 +57,12 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(setup):
-    root = setup[0]
-    return LLM(str(root / "ckpt"), kv_cache_memory="64MiB", max_model_len=512,
-               enable_lora=True, max_loras=3, max_lora_rank=16)
+    root, _, loras, _, _ = setup
+    llm = LLM(str(root / "ckpt"), kv_cache_memory="64MiB", max_model_len=512,
+              enable_lora=True, max_loras=3, max_lora_rank=16)
+    for lora_request in loras.values():
+        llm.engine.add_lora(lora_request)
+    return llm
 
 
 def record_steps(llm: LLM) -> list[set[int]]:
