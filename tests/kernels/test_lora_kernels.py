@@ -82,3 +82,24 @@ def test_triton_sgmv_under_the_interpreter_matches_the_reference():
     errors = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(errors) == {"decode_mixed", "prefill_mixed", "one_adapter"}
     assert all(e < 1e-5 for e in errors.values()), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_sgmv_on_cuda_matches_the_reference(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from pdserve.kernels.triton_lora import add_lora_sgmv
+
+    request_slots, q_lens = [0, 1, -1, 1, 0, 2], [1, 37, 5, 1, 20, 1]
+    lora_a, lora_b = make_weights(3, 48, 576, 960, seed=3)
+    lora_a, lora_b = (w.mul(0.05).to("cuda", dtype) for w in (lora_a, lora_b))
+    mapping = build_lora_mapping(request_slots, np.asarray(q_lens), torch.device("cuda"))
+    token_slots = torch.from_numpy(np.repeat(np.asarray(request_slots), q_lens))
+    x = torch.randn(len(token_slots), 576, device="cuda", dtype=dtype)
+    y = torch.randn(len(token_slots), 960, device="cuda", dtype=dtype)
+    expected = y.float() + lora_reference(x.float().cpu(), lora_a.float().cpu(),
+                                          lora_b.float().cpu(), token_slots).cuda()
+    add_lora_sgmv(y, x, lora_a, lora_b, *mapping.sgmv)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3  # TF32 dots
+    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol)
