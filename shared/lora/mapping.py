@@ -16,10 +16,11 @@ batch rows and `token_indices` is None: the CPU path then neither gathers nor sc
 On the CPU, a step whose slots' segments are about equally long (decodes spread over the
 adapters) also gets `padded`: every slot's rows padded to the longest segment, for two
 `torch.bmm`s over all slots (`kernels.lora_cpu.add_lora_bmm`): 5 ops per layer instead of 2
-per segment plus a gather and a scatter. At 32 decode tokens over 4 adapters it measured
-5.8-6.5 ms per decoder layer's four LoRA layers against 12.8-20.8 ms for the segment loop on
-this project's loaded 2-core machine (benchmarks/lora.py, "cpu_kernels_ms_per_layer"); with
-little padding allowed (`MAX_PADDING`) a long prefill chunk beside decodes keeps the loop.
+per segment plus a gather and a scatter. At 32 decode tokens over 4 adapters, one decoder
+layer's four LoRA layers took (benchmarks/lora.py, "cpu_kernels_ms_per_layer", this project's
+shared 2-core machine under load from other jobs) 5.8-6.5 / 2.8 / 1.2 ms with the bmm against
+12.8-20.8 / 2.5 / 6.0 ms with the segment loop in three sessions: the bmm won two of three.
+With little padding allowed (`MAX_PADDING`) a long prefill chunk beside decodes keeps the loop.
 """
 
 from __future__ import annotations
