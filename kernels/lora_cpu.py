@@ -17,9 +17,9 @@ y[start:end] += (x[start:end] @ A_s^T) @ B_s^T in place (addmm_).
 
 `add_lora_bmm` is the padded formulation: every slot's tokens padded to the longest segment,
 two `torch.bmm`s over all slots: fewer, larger ops, which win when the segments are about
-equally long (decodes spread over the adapters: 32 tokens over 4 adapters measured ~2.5x
-faster than the loop, benchmarks/lora.py); the loop wastes nothing on a step that mixes a
-long prefill chunk with decodes of other adapters. `shared/lora/mapping.py` picks per step.
+equally long (decodes spread over the adapters: at 32 tokens over 4 adapters it beat the loop
+in two of three sessions, see `shared/lora/mapping.py`); the loop wastes nothing on a step that
+mixes a long prefill chunk with decodes of other adapters. The mapping picks per step.
 """
 
 from __future__ import annotations
