@@ -226,3 +226,33 @@ def test_lora_on_the_int8_base(setup):
     want = layer.base_layer(x)
     want[:3] += x[:3] @ weights.lora_a.t() @ weights.lora_b.t()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_removed_and_added_again_between_steps(llm, setup):
+    """A load / unload storm on one engine: before every step each adapter is removed when no
+    request uses it (refused otherwise) and added back at once; requests arrive in two
+    waves. Every answer equals PEFT's, and every block is free at the end."""
+    _, _, loras, prompts, refs = setup
+    engine = llm.engine
+    requests: list[tuple[Request, list[int]]] = []
+    num_removed = 0
+    for wave in range(2):
+        for n, max_tokens in zip([*loras, None], (3, 6, 9, 12)):  # adapters free up in turn
+            for i, p in enumerate(prompts):
+                request = Request(f"storm{wave}-{n}-{i}", p, greedy(max_tokens),
+                                  lora_request=loras.get(n))
+                engine.add_request(request)
+                requests.append((request, refs[n][i][:max_tokens]))
+        for _ in range(5) if wave == 0 else iter(engine.has_unfinished_requests, False):
+            for lora_request in loras.values():
+                try:
+                    assert engine.remove_lora(lora_request.lora_int_id)
+                except ValueError:
+                    continue
+                num_removed += 1
+                engine.add_lora(lora_request)
+            engine.step()
+    assert num_removed > 0
+    assert [r.output_token_ids for r, _ in requests] == [want for _, want in requests]
+    engine.kv_cache_manager.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_gpu_blocks - 1
