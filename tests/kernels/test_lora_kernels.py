@@ -67,6 +67,23 @@ def test_balanced_steps_get_the_padded_bmm_form(request_slots, q_lens):
     assert chunky.padded is None and chunky.token_indices is None
 
 
+def test_one_adapter_in_a_later_slot_between_base_rows():
+    """Only slot 1 of 2 in use, its rows between base rows (the padded form would have a row
+    per slot: it must not be sized by the count of the step's adapters)."""
+    lora_a, lora_b = make_weights(2, 6, 10, 14, seed=4)
+    request_slots, q_lens = [1, -1, 1, -1, 1], [1] * 5
+    mapping = build_lora_mapping(request_slots, np.asarray(q_lens), CPU, num_slots=2)
+    token_slots = torch.tensor(request_slots)
+    x, y = torch.randn(5, 10), torch.randn(5, 14)
+    expected = y + lora_reference(x, lora_a, lora_b, token_slots)
+    if mapping.padded is not None:
+        add_lora_bmm(y, x, lora_a, lora_b, *mapping.padded)
+    else:
+        add_lora_segments(y, x, [a.t() for a in lora_a], [b.t() for b in lora_b],
+                          mapping.segments, mapping.token_indices)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_step_without_adapters_has_no_mapping():
     assert build_lora_mapping([-1, -1], np.asarray([1, 7]), CPU) is None
 
