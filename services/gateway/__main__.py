@@ -31,18 +31,19 @@ def run(ns: argparse.Namespace) -> int:
     """Start the gateway from parsed flags (also the hook for `pdserve serve gateway`)."""
     import uvicorn
 
-    from pdserve.services.gateway.app import build_app
     from pdserve.services.gateway.backpressure import TransportHttpProtocol, set_send_buffer
+    from pdserve.services.gateway.multi_model import build_gateway_app, parse_extra_models
 
     logging.basicConfig(level=str(ns.log_level).upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_cli_args(ns)
+        extra_models = parse_extra_models(getattr(ns, "extra_model", None) or [], config)
     except (ValueError, FileNotFoundError) as e:  # a bad flag: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("config: %s", loggable(config))
-    app = build_app(config)
+    app = build_gateway_app(config, extra_models)
     loop = "uvloop" if sys.platform != "win32" else "asyncio"
     # NOTE: on SIGTERM uvicorn stops accepting and lets in-flight requests (streams included)
     # finish for up to the grace period (the launcher gives it its --shutdown-timeout - 5 s);

@@ -76,9 +76,11 @@ def _connect_registry(config: GatewayConfig) -> RegistryView | None:
 
 
 def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
-              registry: InstanceRegistry | None = None) -> Starlette:
+              registry: InstanceRegistry | None = None,
+              shutdown: ShutdownNotice | None = None) -> Starlette:
     """The gateway app. `channels` and `registry` are injectable (tests, other transports);
-    by default gRPC channels to the configured instances and the Redis prefix index."""
+    by default gRPC channels to the configured instances and the Redis prefix index.
+    `shutdown`: a notice shared with other models' apps (multi_model.py)."""
     tokenizer = GatewayTokenizer(load_tokenizer(config.tokenizer or config.model_path),
                                  chat_template=config.chat_template)
     channels = channels or ChannelPool(config.request_timeout, config.rpc_timeout,
@@ -95,7 +97,7 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
     metrics.registry.register(channels.control_calls)
     admission = AdmissionQueue(config.max_num_queued_requests, config.max_queued_tokens,
                                metrics.registry)
-    shutdown = ShutdownNotice()
+    shutdown = shutdown or ShutdownNotice()
     chat = ChatServing(config, engine, tokenizer, metrics, admission, shutdown, lora)
     federation = MetricsFederation(metrics.registry, registry, config.metrics_compat,
                                    config.served_model_name)

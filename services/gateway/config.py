@@ -197,6 +197,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model", default=_env("model", DEFAULT_MODEL),
                    help="HF directory or the default model name (for the tokenizer)")
     g.add_argument("--served-model-name", default=_env("served_model_name", None))
+    g.add_argument("--extra-model", action="append", default=[], metavar="NAME=PATH",
+                   help="also serve NAME (instances registered under it in Redis; needs "
+                        "--redis-url), tokenizer and chat template from the directory PATH; "
+                        "repeatable (services/gateway/multi_model.py)")
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None),
                    help="default: what the backends report")
     g.add_argument("--runner", default=_env("runner", "generate"),

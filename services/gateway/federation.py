@@ -104,6 +104,17 @@ def vllm_families(families: dict[str, Metric], model_name: str) -> list[Metric]:
     return out
 
 
+def render_families(families: dict[str, Metric], compat: str | None,
+                    model_name: str) -> bytes:
+    """The text of merged `families`, with the vllm: copies under --metrics-compat vllm."""
+    out = list(families.values())
+    if compat == "vllm":
+        out += vllm_families(families, model_name)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(out))
+    return generate_latest(registry)
+
+
 class _Families:
     """A collector over prepared families (generate_latest formats them)."""
 
@@ -162,17 +173,15 @@ class MetricsFederation:
             self._errors.labels(info.instance_id).inc()
             return []
 
-    async def render(self) -> bytes:
+    async def families(self, own_labels: dict[str, str] | None = None) -> list[Metric]:
+        """The gateway's families (`own_labels` added to them), then every engine's."""
         instances = await self._instances()
         scraped = await asyncio.gather(*(self._scrape(i) for i in instances))
-        families = merge([*parse_families(generate_latest(self.own).decode()),
-                          *(f for fams in scraped for f in fams)])
-        out = list(families.values())
-        if self.compat == "vllm":
-            out += vllm_families(families, self.model_name)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Families(out))
-        return generate_latest(registry)
+        return [*parse_families(generate_latest(self.own).decode(), own_labels),
+                *(f for fams in scraped for f in fams)]
+
+    async def render(self) -> bytes:
+        return render_families(merge(await self.families()), self.compat, self.model_name)
 
     async def close(self) -> None:
         if self._http is not None:

@@ -52,8 +52,7 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _model_card(request: Request) -> dict:
-    gw = request.app.state.gateway
+async def _model_card(gw) -> dict:
     return {"id": gw.config.served_model_name, "object": "model", "created": gw.created,
             "owned_by": "pdserve", "root": gw.config.model_path, "parent": None,
             "max_model_len": await gw.tokenization.max_model_len()}
@@ -61,11 +60,15 @@ async def _model_card(request: Request) -> dict:
 
 async def _cards(request: Request) -> list[dict]:
     """The served model's card, then one per LoRA adapter (`parent`: the base model, as
-    vLLM's)."""
-    base = await _model_card(request)
-    lora = request.app.state.gateway.lora
-    return [base] + [{**base, "id": a.lora_name, "root": a.lora_path, "parent": base["id"]}
-                     for a in (await lora.adapters() if lora is not None else [])]
+    vLLM's); behind several models (multi_model.py) each model's in turn."""
+    cards = []
+    for gw in getattr(request.app.state, "gateways", None) or [request.app.state.gateway]:
+        base = await _model_card(gw)
+        lora = gw.lora
+        cards += [base] + [{**base, "id": a.lora_name, "root": a.lora_path,
+                            "parent": base["id"]}
+                           for a in (await lora.adapters() if lora is not None else [])]
+    return cards
 
 
 async def list_models(request: Request) -> Response:
@@ -162,7 +165,8 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """The gateway's metrics, then every registered engine's (labelled instance and role)."""
     gw = request.app.state.gateway
-    return Response(await gw.federation.render(),
+    render = getattr(request.app.state, "render_metrics", None) or gw.federation.render
+    return Response(await render(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pdserve.services.common.lora_modules import check_adapter_dir, parse_lora_modules
 from pdserve.services.gateway.config import add_compat_args
 from pdserve.services.gateway.tool_parsers import check_tool_call_parser
+from pdserve.services.launcher.models import add_repeated_model_arg
 from pdserve.shared.engine_args import EngineArgs, parse_cores
 from pdserve.shared.pooling_params import PoolerConfig, resolve_runner
 
@@ -72,6 +73,9 @@ class UpConfig:
     lora_modules: tuple[str, ...] = ()
     """`--lora-modules` values, passed as given to every prefill and decode replica (each
     loads them before it serves; the gateway learns them from the registry)."""
+    extra_models: tuple[str, ...] = ()
+    """The models of the second and later `--model` flags, each served by its own
+    --num-prefill / --num-decode replicas behind the one gateway (launcher/models.py)."""
 
 
 _PORT_FLAGS = {
@@ -173,6 +177,7 @@ def add_up_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help=text + " (passed to the gateway; default: the gateway's)")
     add_compat_args(parser)
     EngineArgs.add_cli_args(parser)
+    add_repeated_model_arg(parser)
     g = parser.add_argument_group("launcher")
     g.add_argument("--internal-token", default=os.environ.get("PDSERVE_INTERNAL_TOKEN"),
                    help="shared secret for the gRPC calls between the gateway, prefill and "
@@ -220,7 +225,8 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
         "prefill_cpu_cores": _cores(ns.prefill_cpu_cores),
         "decode_cpu_cores": _cores(ns.decode_cpu_cores), "core_share_path": engine_args.core_share,
         "redis_url": ns.redis_url or None, "log_level": str(ns.log_level).upper(),
-        "lora_modules": tuple(ns.lora_modules)})
+        "lora_modules": tuple(ns.lora_modules),
+        "extra_models": tuple((getattr(ns, "models", None) or [])[1:])})
     for name in ("num_prefill", "num_decode"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -33,6 +33,7 @@ from pdserve.services.launcher.cores import (
     format_cores,
 )
 from pdserve.services.launcher.health import Prober
+from pdserve.services.launcher.models import add_models, model_of, resolve_extra_models
 from pdserve.services.launcher.plan import ChildSpec, Plan, build_plan, child_env
 from pdserve.services.launcher.prereqs import (
     SetupError,
@@ -204,6 +205,8 @@ class Launcher:
                         f"http://127.0.0.1:{spec.ports[1]}/metrics")
                 if spec.cores:
                     what += f"  cores {format_cores(spec.cores)}"
+                if self.config.extra_models:
+                    what += f"  model {model_of(spec)}"
             else:
                 what = f"{url}  metrics {url}/metrics"
             rows.append(f"  {spec.name.ljust(width)}  {what}")
@@ -325,6 +328,15 @@ def main(ns: argparse.Namespace) -> int:
     name = served_model_name(config.engine_args.model, model_path,
                              config.engine_args.served_model_name)
     plan = build_plan(config, model_path, name)
+    if config.extra_models:  # more models behind the one gateway (launcher/models.py)
+        try:
+            plan = add_models(plan, config, resolve_extra_models(config, say))
+        except (ValueError, FileNotFoundError) as e:
+            say(f"error: {e}")
+            return 2
+        except SetupError as e:
+            say(f"error: {e}")
+            return 1
     busy = [f"{spec.name} port {port}" for spec in plan.children for port in spec.ports
             if _port_in_use(config.host if spec.name == "gateway" else "127.0.0.1", port)]
     if busy:
