@@ -251,7 +251,8 @@ class DecodeWorker(EngineWorker):
         try:
             block_ids, num_hit_tokens = await allocated
             first_missing = num_hit_tokens // self.block_size
-            missing = list(range(first_missing, len(handle.block_ids)))
+            # NOTE: blocks before a sliding window are the null block here: not fetched.
+            missing = [i for i in range(first_missing, len(handle.block_ids)) if block_ids[i]]
             try:
                 if missing:
                     await self.fetcher.fetch(request_id, handle, missing,

@@ -26,7 +26,7 @@ from pdserve.shared.engine.core_share import NO_PREFILL, CoreShare
 from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.scheduler_output import SchedulerOutput
-from pdserve.shared.engine.scheduling_policy import validate_request
+from pdserve.shared.engine.scheduling_policy import validate_request, window_chunk_config
 from pdserve.shared.engine.slo_budget import PrefillBudget, TTFTUnreachableError
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
@@ -122,6 +122,9 @@ class EngineCore:
         self.kv_connector = KVConnector()
         """When finished prefills' blocks are freed (held for a KV transfer until done)."""
         long_rows = self.model_runner.long_rows
+        scheduler_config = window_chunk_config(scheduler_config,
+                                               self.kv_cache_manager.sliding_window,
+                                               cache_config.block_size, self.num_gpu_blocks)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    long_rows.original if long_rows is not None else None)
         if lora_config is not None:
@@ -160,9 +163,13 @@ class EngineCore:
     def validate_request(self, request: Request) -> None:
         """`scheduling_policy.validate_request` under this engine's limits: ValueError naming
         the field for a request the engine cannot serve."""
+        config = self.scheduler.scheduler_config
+        chunk = config.max_num_batched_tokens
+        if config.long_prefill_token_threshold > 0:
+            chunk = min(chunk, config.long_prefill_token_threshold)
         validate_request(request, self.model_runner.args.vocab_size,
                          self.model_config.max_model_len, self.kv_cache_manager.block_size,
-                         self.num_gpu_blocks)
+                         self.num_gpu_blocks, self.kv_cache_manager.sliding_window, chunk)
         priority = request.sampling_params.priority
         if priority and self.scheduler.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority: got priority {priority}, but priority scheduling is "

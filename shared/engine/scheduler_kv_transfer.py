@@ -50,14 +50,25 @@ class KVTransferScheduling:
         assert params is not None and self.kv_connector is not None
         hits, num_hit_tokens = kv.get_computed_blocks(request)
         num_computed = max(params["num_tokens"], num_hit_tokens)
-        num_new_blocks = -(-num_computed // kv.block_size) - len(hits)
+        # NOTE: with a window on every layer only the window's blocks are allocated (and
+        # fetched): those before it lead the request's list as the null block.
+        num_window_start = (max(0, num_computed - kv.sliding_window + 1) // kv.block_size
+                            if kv.sliding_window is not None else 0)
+        if num_window_start > len(hits):
+            hits, num_hit_tokens = [], 0
+        else:
+            num_window_start = 0
+        num_new_blocks = -(-num_computed // kv.block_size) - len(hits) - num_window_start
         spare = self.remote_kv_watermark if self.running else 0
         while kv.num_free_blocks - num_new_blocks - sum(1 for b in hits if b.ref_cnt == 0) \
                 < spare:
             if not self.preempt_paused():  # type: ignore[attr-defined]
                 return False
+        if num_window_start:
+            kv.skip_blocks_before_window(request, num_computed)
         if kv.allocate_slots(request, num_computed - num_hit_tokens, hits, num_hit_tokens,
                              delay_cache_blocks=True) is None:
+            kv.free(request)
             return False
         params["num_computed_tokens"] = num_computed
         request.num_external_computed_tokens = num_computed - num_hit_tokens

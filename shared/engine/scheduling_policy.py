@@ -6,6 +6,7 @@ and `EngineCore` call them. When a request stops: shared/stop_rules.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -20,8 +21,31 @@ share, not a prefill: counting it as the host's shortest prefill made the prefil
 park, and the decode wait for that engine's step to end, at every admission."""
 
 
+def window_chunk_config(config: SchedulerConfig, sliding_window: int | None,
+                        block_size: int, num_gpu_blocks: int) -> SchedulerConfig:
+    """`config`, with prompt chunks small enough that one chunk plus a window fits the pool
+    when the KV cache manager frees out-of-window blocks (every layer windowed): then a
+    request holds at most `window_blocks_held` blocks however long it is, so a prompt longer
+    than the pool is served chunk by chunk instead of refused. Unchanged otherwise."""
+    if sliding_window is None:
+        return config
+    window_blocks = -(-(sliding_window - 1) // block_size) + 1
+    cap = max(block_size, (num_gpu_blocks - 1 - window_blocks) * block_size)
+    threshold = config.long_prefill_token_threshold
+    if cap >= config.max_num_batched_tokens or (0 < threshold <= cap):
+        return config
+    return dataclasses.replace(config, long_prefill_token_threshold=cap)
+
+
+def window_blocks_held(sliding_window: int, block_size: int, max_chunk_tokens: int) -> int:
+    """The most blocks a request holds at once when out-of-window blocks are freed: the
+    window's keys before a chunk, and the chunk (its first block may be partly before)."""
+    return -(-(sliding_window - 1 + max_chunk_tokens) // block_size) + 1
+
+
 def validate_request(request: Request, vocab_size: int, max_model_len: int, block_size: int,
-                     num_gpu_blocks: int) -> None:
+                     num_gpu_blocks: int, sliding_window: int | None = None,
+                     max_chunk_tokens: int = 0) -> None:
     """Raise ValueError, naming the field, when the engine cannot serve `request` (the one
     request validator: `EngineCore.add_request` runs it).
 
@@ -30,7 +54,9 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, bloc
     prompt or sequence that leaves no room for a generated token under max_model_len;
     output tokens that already reach max_tokens; no token left to compute; a request whose
     longest possible sequence cannot fit in the whole KV pool of `num_gpu_blocks` blocks
-    (block 0 is the null block) - it could never finish.
+    (block 0 is the null block) - it could never finish. With `sliding_window` (the KV
+    cache manager frees out-of-window blocks) a request needs at most the window plus one
+    chunk of `max_chunk_tokens`.
     """
     rid, num_prompt = request.request_id, request.num_prompt_tokens
     if num_prompt == 0:
@@ -67,11 +93,16 @@ def validate_request(request: Request, vocab_size: int, max_model_len: int, bloc
     if max_tokens is not None:
         max_num_tokens = min(max_num_tokens, num_prompt + max_tokens)
     num_blocks_needed = -(-(max_num_tokens - 1) // block_size)
+    if sliding_window is not None:
+        num_blocks_needed = min(num_blocks_needed, window_blocks_held(
+            sliding_window, block_size, max_chunk_tokens))
     num_usable = num_gpu_blocks - 1
     if num_blocks_needed > num_usable:
+        what = ("lower max_tokens" if num_prompt - 1 < num_usable * block_size else
+                "the prompt alone is longer than the KV cache holds")
         raise ValueError(f"request {rid!r} may need {num_blocks_needed} KV blocks "
                          f"({max_num_tokens - 1} tokens), more than the pool's {num_usable}; "
-                         "lower max_tokens")
+                         f"{what}")
 
 
 def priority_key(request: Request) -> tuple[int, float]:

@@ -244,6 +244,23 @@ class KVCacheManager:
         self._num_skipped_blocks[request.request_id] = num_skip
         self.block_pool.free_blocks(reversed(freed))
 
+    def skip_blocks_before_window(self, request: Request, num_tokens: int) -> int:
+        """For a request holding no blocks whose first `num_tokens` tokens' KV arrives at
+        once (a KV transfer): hold the null block for the leading blocks no window reaches
+        from position `num_tokens`, so that only the window's blocks are allocated and
+        received. Returns the number of null blocks the request now leads with (0 without
+        a sliding window, or when it already holds blocks)."""
+        request_id = request.request_id
+        if self.sliding_window is None or request_id in self.req_to_blocks:
+            return self._num_skipped_blocks.get(request_id, 0)
+        num_skip = max(0, num_tokens - self.sliding_window + 1) // self.block_size
+        if num_skip:
+            null = self.block_pool.null_block
+            self.req_to_blocks[request_id] = [null] * num_skip
+            self._req_to_block_ids[request_id] = [null.block_id] * num_skip
+            self._num_skipped_blocks[request_id] = num_skip
+        return num_skip
+
     def trim_blocks(self, request: Request, num_tokens: int) -> None:
         """Free `request`'s blocks past the first cdiv(num_tokens, block_size), last block
         first: the rollback of rejected speculative drafts' slots.

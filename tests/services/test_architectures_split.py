@@ -72,3 +72,27 @@ async def test_split_longrope_past_its_original_length(tmp_path):
         assert prefill.num_used_blocks == decode.num_used_blocks == 0
     finally:
         await cluster.close()
+
+
+async def test_a_windowed_prompt_longer_than_the_decode_pool(tmp_path):
+    """Mistral windows every layer: a decode whose pool cannot hold the whole prompt
+    allocates and fetches only the window's blocks (the rest lead its list as the null
+    block), and the tokens stay transformers'."""
+    config_class, extra = FAMILIES["mistral-window"]
+    model = build_checkpoint(tmp_path, config_class, **extra)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 49152, (300,), generator=g).tolist()
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                              do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    cluster = await start_cluster(str(tmp_path), None, num_gpu_blocks_override=12,
+                                  max_model_len=512)
+    try:
+        result = await run_split(cluster, "long-window", prompt,
+                                 greedy(MAX_TOKENS, ignore_eos=True))
+        assert result.token_ids == want
+        prefill, decode = await wait_leak_free(cluster)
+        assert prefill.num_used_blocks == decode.num_used_blocks == 0
+    finally:
+        await cluster.close()

@@ -196,6 +196,12 @@ def test_blocks_out_of_every_window_are_freed_as_requests_grow(tmp_path, prompts
     assert max(held) < -(-(len(prompt) + 60) // block_size)
     assert kv.num_free_blocks == kv.block_pool.num_gpu_blocks - 1
     print("held blocks per step:", held)
+    # a pool smaller than the request: served chunk by chunk inside the window
+    small = LLM(str(tmp_path), num_gpu_blocks_override=12, max_model_len=MAX_MODEL_LEN)
+    assert small.engine.scheduler.scheduler_config.long_prefill_token_threshold == 112
+    out = small.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60,
+                                                  ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == want  # 260 tokens: 17 blocks, in a pool of 11
 
 
 def test_only_a_model_windowed_on_every_layer_frees_blocks_early():
