@@ -61,7 +61,7 @@ _SUMMARIES = {
     "/v1/chat/completions": "OpenAI chat completions (`stream` for SSE).",
     "/tokenize": "Token ids of a prompt or of chat messages.",
     "/detokenize": "Text of token ids.",
-    "/v1/embeddings": "OpenAI embeddings (a --runner pooling deployment; else 501).",
+    "/v1/embeddings": "OpenAI embeddings (a --runner pooling deployment; else 404).",
     "/pooling": "vLLM's pooling: the pooled hidden state of each input (--runner pooling).",
     "/score": "vLLM's score: cosine similarity of the texts' embeddings (--runner pooling).",
     "/v1/score": "As /score.",

@@ -102,7 +102,7 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 def _require_generate(request: Request, api: str) -> None:
-    """A pooling deployment (--runner pooling) generates nothing: vLLM's 501."""
+    """A pooling deployment (--runner pooling) generates nothing: 404, as vLLM."""
     if request.app.state.gateway.config.runner == "pooling":
         raise not_supported(api)
 

@@ -7,8 +7,8 @@
 
 Score and rerank with an embedding model are vLLM's: the cosine similarity of the two texts'
 embeddings (each distinct text embedded once). A generate deployment answers these routes,
-and a pooling deployment the generate ones, with vLLM's 501 "The model does not support
-... API".
+and a pooling deployment the generate ones, with 404 (vLLM registers only the routes its
+runner serves) and the message "The model does not support ... API".
 """
 
 from __future__ import annotations
@@ -50,9 +50,10 @@ from pdserve.shared.proto import engine_pb2
 
 
 def not_supported(api: str) -> GatewayError:
-    """vLLM's answer to a route the deployment's runner does not serve."""
-    return GatewayError(f"The model does not support {api} API", 501,
-                        err_type="NotImplementedError")
+    """A route the deployment's runner does not serve: 404, as vLLM (which does not register
+    the route), with a message naming the API; never a 5xx, since nothing failed."""
+    return GatewayError(f"The model does not support {api} API", 404,
+                        err_type="NotFoundError")
 
 
 def cosine(a: list[float], b: list[float]) -> float:

@@ -36,10 +36,14 @@ does (longrope past original_max_position_embeddings too: shared/engine/longrope
 
 def rope_type(cfg: dict) -> str:
     """The rope type of an HF config (transformers 5's `rope_parameters` or the older
-    `rope_scaling`; "default" when neither names one)."""
+    `rope_scaling`; "default" when neither names one). Early Phi-3-128k configs name
+    longrope "su", which transformers reads as longrope (and so does rope_scaling.py)."""
     params = dict(cfg.get("rope_scaling") or {})
     params.update(cfg.get("rope_parameters") or {})
-    return str(params.get("rope_type") or params.get("type") or "default")
+    kind = str(params.get("rope_type") or params.get("type") or "default")
+    phi3 = (cfg.get("model_type") == "phi3"
+            or (cfg.get("architectures") or [""])[0] == "Phi3ForCausalLM")
+    return "longrope" if kind == "su" and phi3 else kind
 
 
 def layer_sliding_windows(cfg: dict) -> tuple[int | None, ...]:

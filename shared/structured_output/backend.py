@@ -94,7 +94,8 @@ class XgrammarBackend:
                 return compiler.compile_grammar(choice_grammar(params.choice or ()))
             if kind == "grammar":
                 return compiler.compile_grammar(params.grammar)
-            return compiler.compile_structural_tag(params.structural_tag)
+            return compiler.compile_structural_tag(
+                _cap_tag_whitespace(params.structural_tag, json_format["max_whitespace_cnt"]))
         except Exception as e:  # xgrammar raises RuntimeError / pydantic errors
             raise ValueError(f"{_WHAT[kind]}: {compile_error_text(e)}") from None
 
@@ -117,3 +118,29 @@ class XgrammarBackend:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                         indices=rows)
+
+
+def _cap_tag_whitespace(structural_tag: str | None, max_whitespace_cnt: int | None) -> str | None:
+    """The structural tag with `max_whitespace_cnt` set on each JSON-schema format that does
+    not set it, so a forced tool call's arguments obey the same whitespace cap as
+    `response_format` JSON (without it a model can fill max_tokens with blanks inside the
+    arguments). A tag that is not valid JSON is returned as is (the compiler names it)."""
+    if not structural_tag or max_whitespace_cnt is None:
+        return structural_tag
+    try:
+        tag = json.loads(structural_tag)
+    except ValueError:
+        return structural_tag
+
+    def cap(node):
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+                node.setdefault("max_whitespace_cnt", max_whitespace_cnt)
+            for value in node.values():
+                cap(value)
+        elif isinstance(node, list):
+            for value in node:
+                cap(value)
+
+    cap(tag)
+    return json.dumps(tag)

@@ -246,7 +246,7 @@ async def test_errors(gateway, make_generate_gateway):
     for path, api in (("/v1/chat/completions", "Chat Completions"),
                       ("/v1/completions", "Completions")):
         r = await http.post(path, json={"prompt": "hi", "messages": []})
-        assert r.status_code == 501
+        assert r.status_code == 404
         assert r.json()["error"]["message"] == f"The model does not support {api} API"
     assert (await http.get("/v1/models")).json()["data"][0]["id"] == \
         gateway.config.served_model_name
@@ -257,10 +257,10 @@ async def test_errors(gateway, make_generate_gateway):
                       ("/score", "Score"), ("/rerank", "Rerank (Score)")):
         r = await generate.http.post(path, json={"input": "x", "text_1": "a", "text_2": "b",
                                                  "query": "a", "documents": ["b"]})
-        assert r.status_code == 501, r.text
+        assert r.status_code == 404, r.text
         assert r.json()["error"] == {"message": f"The model does not support {api} API",
-                                     "type": "NotImplementedError", "param": None,
-                                     "code": 501}
+                                     "type": "NotFoundError", "param": None,
+                                     "code": 404}
 
 
 @pytest_asyncio.fixture(loop_scope="module")

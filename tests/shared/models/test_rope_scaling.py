@@ -181,6 +181,13 @@ def test_phi3_configs_as_transformers_standardizes_them():
     assert (params["rope_type"], params["original_max_position_embeddings"]) == \
         ("longrope", 4096)
     assert "original_max_position_embeddings" not in rope_parameters({"rope_theta": 5.0})
+    # and the start-up check accepts "su" for Phi-3 only (a tryout saw it refused)
+    from pdserve.shared.models.architectures import check_hf_config
+
+    check_hf_config({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+                     "rope_scaling": rope})
+    with pytest.raises(ValueError, match="rope type 'su' of LlamaForCausalLM"):
+        check_hf_config({"architectures": ["LlamaForCausalLM"], "rope_scaling": rope})
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -83,3 +83,26 @@ def test_params_refuse_bad_specs(kwargs, message):
 def test_params_key_identifies_the_grammar():
     assert S(regex="a").key == S(regex="a").key != S(grammar="a").key
     assert S(json="{}").key != S(json="{}", disable_any_whitespace=True).key
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
+def test_forced_tool_call_arguments_obey_the_whitespace_cap(backend, parser):
+    """A forced call's arguments are JSON like response_format's: at most 4 blanks in a row
+    (a tryout saw a tiny model fill max_tokens with blanks inside the arguments)."""
+    from pdserve.services.gateway.tool_parsers import get_tool_parser
+    from pdserve.services.gateway.tools import ToolMode, parse_tools
+
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}}}])
+    mode = ToolMode(tools, "named", named="f", parser=get_tool_parser(parser))
+    compiled = backend.compile(mode.structured_outputs)
+    matcher = backend.new_matcher(compiled)
+    head = {"hermes": '<tool_call>\n{"name": "f", "arguments": ',
+            "llama3_json": '{"name": "f", "parameters": ',
+            "mistral": '[TOOL_CALLS] [{"name": "f", "arguments": '}[parser]
+    if not matcher.accept_string(head):
+        pytest.skip(f"{parser}'s forced prefix differs from {head!r}")
+    assert matcher.accept_string('{"a":    "x"')  # 4 blanks: allowed
+    wide = backend.new_matcher(compiled)
+    assert wide.accept_string(head)
+    assert not wide.accept_string('{"a":' + " " * 5 + '"x"')
