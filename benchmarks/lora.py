@@ -30,7 +30,13 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.kernels.lora_cpu import add_lora_bmm, add_lora_segments  # noqa: E402
+from pdserve.kernels.lora_cpu import (  # noqa: E402
+    add_lora_bgmv,
+    add_lora_bmm,
+    add_lora_segments,
+    load_kernel,
+    lora_parts,
+)
 from pdserve.shared.llm import LLM  # noqa: E402
 from pdserve.shared.lora.peft_loader import PEFT_MODULES  # noqa: E402
 from pdserve.shared.lora.request import LoRARequest  # noqa: E402
@@ -98,19 +104,31 @@ def kernel_ms(num_tokens: int, num_adapters: int, repeats: int = 200) -> dict[st
     cases = []
     for n_in, n_out, parts in FUSED_SHAPES:
         a = torch.randn(num_adapters, parts * RANK, n_in, generator=g)
-        b = torch.randn(num_adapters, n_out, parts * RANK, generator=g)
+        # B block-diagonal as peft_loader stacks a fused layer's parts
+        b = torch.zeros(num_adapters, n_out, parts * RANK)
+        for p, rows in enumerate(torch.arange(n_out).chunk(parts)):
+            b[:, rows, p * RANK:(p + 1) * RANK] = torch.randn(num_adapters, len(rows), RANK,
+                                                              generator=g)
+        blocks = [lora_parts(b[s]) for s in range(num_adapters)]
+        bgmv = (b.transpose(1, 2).contiguous(),
+                torch.full((num_adapters,), parts * RANK, dtype=torch.int64),
+                torch.tensor([list(p) for p in blocks], dtype=torch.int64),
+                torch.tensor([len(p) for p in blocks], dtype=torch.int64))
         cases.append((torch.randn(num_tokens, n_in), torch.zeros(num_tokens, n_out), a, b,
                       [a[s].t() for s in range(num_adapters)],
-                      [b[s].t() for s in range(num_adapters)]))
+                      [b[s].t() for s in range(num_adapters)], bgmv))
     result = {}
-    for name in ("segments", "bmm"):
+    names = ("segments", "bmm") + (("bgmv",) if load_kernel() is not None else ())
+    for name in names:
         t0 = time.perf_counter()
         for _ in range(repeats):
-            for x, y, a, b, a_t, b_t in cases:
+            for x, y, a, b, a_t, b_t, bgmv in cases:
                 if name == "segments":
                     add_lora_segments(y, x, a_t, b_t, bounds, order)
-                else:
+                elif name == "bmm":
                     add_lora_bmm(y, x, a, b, padded, source_rows)
+                else:
+                    add_lora_bgmv(y, x, a, bgmv[0], slots, *bgmv[1:])
         result[name] = (time.perf_counter() - t0) / repeats * 1e3
     return result
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from pdserve.kernels.lora_cpu import add_lora_bmm, add_lora_segments
+from pdserve.kernels.lora_cpu import add_lora_bgmv, add_lora_bmm, add_lora_segments, lora_parts
 from pdserve.shared.lora.mapping import LoRAMapping
 from pdserve.shared.lora.peft_loader import FusedLinearShape, LoRALayerWeights
 
@@ -62,11 +62,25 @@ class LinearWithLoRA(nn.Module):
         self.lora_a_t: list[torch.Tensor | None] = [None] * max_loras
         """Per slot A^T [in, r] (a view of lora_a at its true rank); None: no LoRA here."""
         self.lora_b_t: list[torch.Tensor | None] = [None] * max_loras
+        self.cpu_kernel = device.type == "cpu" and dtype == torch.float32
+        """The C kernel's buffers are kept (CPU, fp32: `kernels/lora_cpu.add_lora_bgmv`)."""
+        if self.cpu_kernel:
+            out = sum(shape.part_sizes)
+            self.lora_bt = torch.zeros(max_loras, rank, out)
+            """[max_loras, R_max, out]: each slot's B transposed, contiguous."""
+            self.slot_rank = torch.zeros(max_loras, dtype=torch.int64)
+            """[max_loras]: the rank rows each slot uses (0: no LoRA here)."""
+            self.parts = torch.zeros(max_loras, rank, 4, dtype=torch.int64)
+            """[max_loras, R_max, 4]: each slot's non-zero blocks of B (`lora_parts`)."""
+            self.num_parts = torch.zeros(max_loras, dtype=torch.int64)
 
     def set_slot(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Put an adapter's LoRA of this layer in `slot` (None: the adapter has none here)."""
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        if self.cpu_kernel:
+            self.lora_bt[slot].zero_()
+            self.slot_rank[slot] = self.num_parts[slot] = 0
         if weights is None:
             self.lora_a_t[slot] = self.lora_b_t[slot] = None
             return
@@ -75,11 +89,22 @@ class LinearWithLoRA(nn.Module):
         self.lora_b[slot, :, :rank] = weights.lora_b
         self.lora_a_t[slot] = self.lora_a[slot, :rank].t()
         self.lora_b_t[slot] = self.lora_b[slot, :, :rank].t()
+        if self.cpu_kernel:
+            self.lora_bt[slot, :rank] = weights.lora_b.t()
+            parts = lora_parts(weights.lora_b)
+            if parts:
+                self.parts[slot, :len(parts)] = torch.tensor(parts, dtype=torch.int64)
+            self.num_parts[slot] = len(parts)
+            self.slot_rank[slot] = rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         mapping = self.context.mapping
         if mapping is None:
+            return y
+        if mapping.token_slots is not None and self.cpu_kernel and add_lora_bgmv(
+                y, x, self.lora_a, self.lora_bt, mapping.token_slots, self.slot_rank,
+                self.parts, self.num_parts):
             return y
         if mapping.padded is not None:
             add_lora_bmm(y, x, self.lora_a, self.lora_b, *mapping.padded)

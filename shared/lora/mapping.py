@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.kernels.lora_cpu import kernel_enabled, load_kernel
+
 
 @dataclass(slots=True)
 class LoRAMapping:
@@ -42,10 +44,18 @@ class LoRAMapping:
     """CPU, balanced steps: ([num_slots, max_len] int64 batch rows of each slot's tokens,
     padding -> row 0; [num_tokens] int64 each row's row of the padded delta, the zero row
     num_slots * max_len for base tokens) for `add_lora_bmm`."""
+    token_slots: torch.Tensor | None = None
+    """CPU, a step of at most `BGMV_MAX_TOKENS` tokens with the C kernel built: [num_tokens]
+    int64 each batch row's slot (-1: base) for `kernels.lora_cpu.add_lora_bgmv`, which the
+    layers run first (the other fields are its fallback)."""
     sgmv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
     """CUDA only: (token_indices, seg_start, seg_len, seg_slot, max_seg_len) on the device,
     the Triton kernels' arguments (always sorted form)."""
 
+
+BGMV_MAX_TOKENS = 64
+"""The most tokens of a step the C kernel takes: past a few dozen tokens (a prefill chunk)
+BLAS's matmuls, which reuse each weight across tokens, win."""
 
 MAX_PADDING = 1.5
 """`padded` only when all slots' padded rows are at most this many times the LoRA tokens."""
@@ -59,6 +69,10 @@ def build_lora_mapping(request_slots: list[int], q_lens: np.ndarray, device: tor
     if max(request_slots, default=-1) < 0:
         return None
     token_slots = np.repeat(np.asarray(request_slots, np.int64), q_lens)
+    bgmv = None
+    if device.type == "cpu" and len(token_slots) <= BGMV_MAX_TOKENS and kernel_enabled() \
+            and load_kernel() is not None:
+        bgmv = torch.from_numpy(token_slots)
     lora_rows = np.flatnonzero(token_slots >= 0)
     slots_of_rows = token_slots[lora_rows]
     # runs of one slot in batch order (a base token between two rows ends a run)
@@ -70,7 +84,8 @@ def build_lora_mapping(request_slots: list[int], q_lens: np.ndarray, device: tor
         # NOTE: a run costs two small matmuls; a gather + scatter about as much as one more
         # run: few runs go as they are.
         return LoRAMapping([(int(slots_of_rows[s]), int(lora_rows[s]),
-                             int(lora_rows[s]) + int(e - s)) for s, e in zip(starts, ends)], None)
+                             int(lora_rows[s]) + int(e - s)) for s, e in zip(starts, ends)], None,
+                           token_slots=bgmv)
     order = np.argsort(slots_of_rows, kind="stable")
     sorted_slots = slots_of_rows[order]
     token_indices = lora_rows[order]
@@ -80,6 +95,8 @@ def build_lora_mapping(request_slots: list[int], q_lens: np.ndarray, device: tor
     segments = [(int(sorted_slots[s]), int(s), int(e)) for s, e in zip(seg_start, seg_end)]
     indices = torch.from_numpy(token_indices).to(device)
     max_len = int((seg_end - seg_start).max())
+    if bgmv is not None:
+        return LoRAMapping(segments, indices, token_slots=bgmv)
     if device.type != "cuda" and 0 < num_slots * max_len <= MAX_PADDING * len(order):
         padded = np.zeros((num_slots, max_len), np.int64)
         source_rows = np.full(len(token_slots), num_slots * max_len, np.int64)
