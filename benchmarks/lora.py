@@ -4,9 +4,10 @@
   against the same 32 prompts on the base model alone: output tok/s ratio (target >= 0.8x);
 - single stream: inter-token latency (median decode step) with an adapter against the base
   model (target <= 1.2x);
-- cpu kernels: the segment loop (`kernels.lora_cpu.add_lora_segments`, what the engine runs)
-  against the padded bmm (`add_lora_bmm`) at 32 decode tokens over 4 adapters, SmolLM2's four
-  fused layers.
+- cpu kernels: the segment loop (`kernels.lora_cpu.add_lora_segments`), the padded bmm
+  (`add_lora_bmm`) and the C kernel (`add_lora_bgmv`, what the engine runs for decode-sized
+  steps) at 32 decode tokens over 4 adapters, SmolLM2's four fused layers (ms per decoder
+  layer).
 
     .venv/bin/python benchmarks/lora.py [--rounds 2] [--batch 32] [--max-tokens 64]
 

@@ -23,7 +23,7 @@ from pdserve.kernels.lora_cpu import (
     lora_parts,
     lora_reference,
 )
-from pdserve.shared.lora.mapping import BGMV_MAX_TOKENS, build_lora_mapping
+from pdserve.shared.lora.mapping import BGMV_MAX_TOKENS, PADDED_MAX_TOKENS, build_lora_mapping
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -81,6 +81,27 @@ def test_balanced_steps_get_the_padded_bmm_form(request_slots, q_lens, torch_for
     # a long chunk beside decodes would pad every slot to it: the loop instead
     chunky = build_lora_mapping([0, 1, 2], np.asarray([30, 1, 1]), CPU, num_slots=3)
     assert chunky.padded is None and chunky.token_indices is None
+
+
+def test_a_long_prefill_goes_as_runs_without_gather_or_padding(torch_forms):
+    """Prefill chunks of four adapters in turn (8 runs of 40 tokens): many runs, but long
+    ones, go as they are (no gather, no scatter), and past PADDED_MAX_TOKENS never padded;
+    the answer is the reference's."""
+    lora_a, lora_b = make_weights(4, 6, 10, 14, seed=5)
+    request_slots, q_lens = [0, 1, 2, 3, 0, 1, 2, 3], [40] * 8
+    mapping = build_lora_mapping(request_slots, np.asarray(q_lens), CPU, num_slots=4)
+    assert mapping.token_indices is None and mapping.padded is None
+    assert mapping.segments == [(s % 4, 40 * s, 40 * s + 40) for s in range(8)]
+    token_slots = torch.from_numpy(np.repeat(np.asarray(request_slots), q_lens))
+    x, y = torch.randn(320, 10), torch.randn(320, 14)
+    expected = y + lora_reference(x, lora_a, lora_b, token_slots)
+    add_lora_segments(y, x, [a.t() for a in lora_a], [b.t() for b in lora_b],
+                      mapping.segments, mapping.token_indices)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # balanced but past PADDED_MAX_TOKENS: sorted segments, not padded
+    decodes = build_lora_mapping([0, 1, 2, 3] * 80, np.ones(320, np.int64), CPU, num_slots=4)
+    assert decodes.padded is None and decodes.token_indices is not None
+    assert 320 > PADDED_MAX_TOKENS
 
 
 def test_one_adapter_in_a_later_slot_between_base_rows(torch_forms):
