@@ -179,7 +179,7 @@ class DecodeWorker(EngineWorker):
         try:
             if handle is not None:
                 stream.transfer = await self._start_transfer(stream, handle)
-            async with aclosing(self.engine.generate(request)) as deltas:
+            async with aclosing(self.engine.generate(request, validated=True)) as deltas:
                 async for delta in deltas:
                     now = time.monotonic()
                     transfer = stream.transfer

@@ -40,7 +40,7 @@ class ControlCallStats:
 
     def collect(self):
         calls = CounterMetricFamily(
-            "pdserve_gateway_control_calls", "Abort, ReleaseKV and SetPaused calls to the "
+            "pdserve_gateway_control_calls", "Abort and SetPaused calls to the "
             "engines by outcome (OK or the gRPC status).", labels=["method", "code"])
         for (method, code), n in sorted(self.calls.items()):
             calls.add_metric([method, code], n)

@@ -96,8 +96,10 @@ class AsyncEngine:
         self._wake.set()
         return fut
 
-    async def generate(self, request: Request) -> AsyncIterator[EngineCoreOutput]:
-        """Add `request` and yield its deltas until it finishes.
+    async def generate(self, request: Request,
+                       validated: bool = False) -> AsyncIterator[EngineCoreOutput]:
+        """Add `request` and yield its deltas until it finishes (`validated`: the caller ran
+        `EngineCore.validate_request` on it already, see `EngineCore.add_request`).
 
         Raises ValueError (bad input) before yielding anything, EngineStepError when a step
         that ran it failed (the request is gone from the engine). If the consumer stops
@@ -115,7 +117,7 @@ class AsyncEngine:
                 await self.engine_core.structured_output.wait_for_grammar(structured_outputs)
             submitted = True
             try:
-                await self.call(lambda e: self._add_op(request))
+                await self.call(lambda e: self._add_op(request, validated))
             except Exception:
                 submitted = False  # refused: nothing was added
                 raise
@@ -311,12 +313,12 @@ class AsyncEngine:
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver, batch)
 
-    def _add_op(self, request: Request) -> None:
+    def _add_op(self, request: Request, validated: bool = False) -> None:
         if request.request_id in self.aborting:  # aborted before it was added: end it here
             self._dispatch([EngineCoreOutput(request.request_id, [], [], FinishReason.ABORT,
                                              None)])
             return
-        self.engine_core.add_request(request)
+        self.engine_core.add_request(request, validated=validated)
 
     def _abort_op(self, request_ids: list[str]) -> list[str]:
         ids = [r.request_id for r in self.engine_core.abort_requests(request_ids)]

@@ -175,11 +175,14 @@ class EngineCore:
             raise ValueError(f"priority: got priority {priority}, but priority scheduling is "
                              "not enabled (--scheduling-policy priority)")
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, validated: bool = False) -> None:
         """Validate and queue a request. Raises ValueError for bad input; nothing is queued.
         (A guided request's grammar: see structured_output/manager.py; the offline engine
-        blocks here until it is compiled.)"""
-        self.validate_request(request)
+        blocks here until it is compiled.) `validated`: the caller ran `validate_request` on
+        this request already (the decode service, before it holds blocks or fetches KV), so
+        it runs once per request."""
+        if not validated:
+            self.validate_request(request)
         if request.lora_request is not None:
             self._lora_manager().check_request(request.lora_request, self._loras_in_use())
         self.check_ttft_reachable(request)

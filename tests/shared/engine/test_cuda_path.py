@@ -131,11 +131,27 @@ def test_sampling_metadata_and_logit_processors_stay_on_the_device():
     assert {values.device, ids.device, covered.device} == {META}
 
 
-def test_kv_transfer_writes_host_chunks_into_device_blocks():
-    kv_caches = [(torch.zeros(6, 16, 2, 8, device=META), torch.zeros(6, 16, 2, 8, device=META))
-                 for _ in range(3)]
-    data = torch.randn(2, 2, 2, 16, 2, 8)  # layers 1-2, K and V, two blocks, from the wire
+@pytest.mark.parametrize("device", [META, torch.device("cpu")], ids=["meta", "cpu"])
+def test_kv_transfer_writes_host_chunks_into_device_blocks(device):
+    """A host chunk from the wire (layers 1-2, K and V, two blocks) lands in blocks 4 and 1
+    of those layers' caches on the cache's device: on meta (the stand-in for CUDA) the copy
+    must not mix devices; on the CPU the values are checked, and nothing else is written."""
+    kv_caches = [(torch.zeros(6, 16, 2, 8, device=device),
+                  torch.zeros(6, 16, 2, 8, device=device)) for _ in range(3)]
+    data = torch.randn(2, 2, 2, 16, 2, 8)
     write_kv_blocks(kv_caches, [4, 1], 1, data)
+    for k_cache, v_cache in kv_caches:
+        assert k_cache.device == v_cache.device == device
+        assert k_cache.shape == v_cache.shape == (6, 16, 2, 8)
+    if device.type == "meta":
+        return
+    for layer in (1, 2):
+        for kv in (0, 1):
+            cache = kv_caches[layer][kv]
+            torch.testing.assert_close(cache[4], data[layer - 1, kv, 0], rtol=0, atol=0)
+            torch.testing.assert_close(cache[1], data[layer - 1, kv, 1], rtol=0, atol=0)
+            assert not cache[[0, 2, 3, 5]].any()
+    assert not kv_caches[0][0].any() and not kv_caches[0][1].any()
 
 
 def test_torch_backend_follows_the_block_table_device():
