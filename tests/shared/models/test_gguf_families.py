@@ -196,3 +196,22 @@ def test_the_header_reader_agrees_with_gguf_py():
         assert header.metadata[key] == reader.fields[key].contents()
     assert header.metadata["tokenizer.ggml.tokens"] == len(
         reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def test_a_conversion_parses_the_file_and_builds_name_maps_once():
+    """transformers' loader asks for a GGUFReader three times and a TensorNameMap once per
+    module: while converting, the same objects come back (same file, same arguments), and
+    gguf-py's own functions are restored afterwards."""
+    from pdserve.shared.models.convert import _fast_gguf_reader, find_smollm2_gguf
+
+    path = find_smollm2_gguf()
+    base_reader, base_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _fast_gguf_reader():
+        reader = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is reader
+        assert reader.fields["general.architecture"].contents() == "llama"
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is name_map
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not name_map
+        assert name_map.get_name("model.layers.3.self_attn.q_proj") == "blk.3.attn_q"
+    assert gguf.GGUFReader is base_reader and gguf.get_tensor_name_map is base_name_map
