@@ -12,8 +12,11 @@ process when the library is loaded.
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,13 +36,89 @@ def find_compiler() -> str | None:
     return None
 
 
+def kernel_cache_dir() -> Path:
+    """Where built libraries are kept: $PDSERVE_KERNEL_CACHE_DIR or ~/.cache/pdserve/kernels
+    (one host's: the key names the CPU, see `build_key`)."""
+    root = os.environ.get("PDSERVE_KERNEL_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pdserve", "kernels")
+    return Path(root)
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (-march=native builds for exactly these)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.startswith(wanted)))
+
+
+@functools.cache
+def _compiler_identity(compiler: str) -> str:
+    path = shutil.which(compiler) or compiler
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True,
+                                 check=False, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{path}\n{version}"
+
+
+def build_key(compiler: str, source: Path, defines: Sequence[str],
+              flag_sets: Sequence[FlagSet]) -> str:
+    """sha256 over everything a build depends on: the source, the defines, the flag sets,
+    the compiler (path and --version) and the CPU (`-march=native`)."""
+    digest = hashlib.sha256()
+    for part in (source.read_bytes(), repr(tuple(defines)).encode(),
+                 repr(tuple(flag_sets)).encode(), _compiler_identity(compiler).encode(),
+                 _cpu_identity().encode(), platform.machine().encode()):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()[:32]
+
+
 def build_library(compiler: str, source: Path, defines: Sequence[str],
                   flag_sets: Sequence[FlagSet], build_dir: Path) -> Path | None:
-    """Compile `source` into `build_dir/<stem>.so` with the first flag set that works.
+    """The library of `source` built with the first flag set that works: from the kernel
+    cache (`kernel_cache_dir()`, keyed by `build_key`) when a process on this host built it
+    before, else compiled into `build_dir/<stem>.so` and copied into the cache.
+
+    Every engine process compiled its kernels at start-up (0.7 s of SmolLM2's 2.3 s engine
+    start on the 2-core machine); the cache makes that once per host and build. A cached
+    file that does not load is removed and rebuilt; a cache that cannot be written is
+    skipped (logged at debug level).
 
     Returns the library's path, or None when every flag set fails (each failure is logged at
     debug level).
     """
+    try:
+        key = build_key(compiler, source, defines, flag_sets)
+        cached = kernel_cache_dir() / f"{source.stem}-{key}.so"
+    except OSError as e:
+        logger.debug("kernel cache unavailable: %s", e)
+        key, cached = None, None
+    if cached is not None and cached.is_file():
+        try:
+            ctypes.CDLL(str(cached))
+            return cached
+        except OSError as e:
+            logger.warning("cached kernel %s does not load (%s); rebuilding", cached, e)
+            cached.unlink(missing_ok=True)
+    library = _compile(compiler, source, defines, flag_sets, build_dir)
+    if library is not None and cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+            shutil.copyfile(library, partial)
+            os.replace(partial, cached)  # atomic: a concurrent build writes the same bytes
+        except OSError as e:
+            logger.debug("could not write the kernel cache %s: %s", cached, e)
+    return library
+
+
+def _compile(compiler: str, source: Path, defines: Sequence[str],
+             flag_sets: Sequence[FlagSet], build_dir: Path) -> Path | None:
     library, obj = build_dir / f"{source.stem}.so", build_dir / f"{source.stem}.o"
     for compile_flags, link_flags in flag_sets:
         result = None

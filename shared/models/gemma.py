@@ -190,7 +190,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.sliding_windows = args.sliding_windows
         """Each layer's attention window (None: full); the KV cache manager frees the blocks
         that fall out of every layer's window."""
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # NOTE: given its weight, nn.Embedding skips its normal_ init, which on the meta
+        # device (the loader builds the model there) imports torch._dynamo: 1.5 s of start-up
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.embed_scale = {dtype: torch.tensor(args.hidden_size ** 0.5, device="cpu")
                             .to(dtype).item()
                             for dtype in (torch.float32, torch.bfloat16, torch.float16)}

@@ -185,7 +185,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # NOTE: given its weight, nn.Embedding skips its normal_ init, which on the meta
+        # device (the loader builds the model there) imports torch._dynamo: 1.5 s of start-up
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size,
+                                         _weight=torch.empty(args.vocab_size, args.hidden_size))
         self.sliding_windows: tuple[int | None, ...] = (
             args.sliding_windows or (None,) * args.num_hidden_layers)
         """Each layer's attention window (None: full); the KV cache manager frees the blocks
