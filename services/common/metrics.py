@@ -111,6 +111,10 @@ class ServiceMetrics:
             "and waiting requests (comma-separated names) and max_lora, as labels; the value "
             "is when they were read (unix seconds). Absent without --enable-lora.",
             ("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
+        self._memory = gauge(
+            "engine_memory_bytes", "Bytes the engine holds by kind, set at start-up: weights "
+            "(as loaded), packed_weights (oneDNN / GEMV copies), int8_weights, kv_cache (the "
+            "KV pool), draft_weights; on the engine's device.", ("kind",))
         self._model = model_name
         self._last: EngineStats | None = None
         # Every series without extra labels exists from the start, at 0 (a dashboard's
@@ -126,6 +130,11 @@ class ServiceMetrics:
 
     def _l(self, metric, **extra):
         return metric.labels(model_name=self._model, **extra)
+
+    def set_memory(self, memory: dict[str, int]) -> None:
+        """The engine's `memory_bytes()`, once at start-up."""
+        for kind, n in memory.items():
+            self._l(self._memory, kind=kind).set(n)
 
     def update_engine(self, s: EngineStats, num_pinned_blocks: int) -> None:
         self._l(self._running).set(s.num_running)

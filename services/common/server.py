@@ -140,6 +140,7 @@ class ServiceRuntime:
             logger.warning("test hook: every engine step raises while %s exists", fault_file)
             engine.fault_hook = step_fault_hook(fault_file)
         metrics = ServiceMetrics(core.model_config.served_model_name, self.registry)
+        metrics.set_memory(core.memory_bytes())
         if core.speculative_config is not None:
             register_spec_decode_metrics(self.registry, core.scheduler.spec_decoding_stats,
                                          core.model_config.served_model_name)

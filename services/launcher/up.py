@@ -33,6 +33,7 @@ from pdserve.services.launcher.cores import (
     format_cores,
 )
 from pdserve.services.launcher.health import Prober
+from pdserve.services.launcher.memory import check_plan_fits
 from pdserve.services.launcher.models import add_models, model_of, resolve_extra_models
 from pdserve.services.launcher.plan import ChildSpec, Plan, build_plan, child_env
 from pdserve.services.launcher.prereqs import (
@@ -337,6 +338,14 @@ def main(ns: argparse.Namespace) -> int:
         except SetupError as e:
             say(f"error: {e}")
             return 1
+    try:  # a plan that cannot fit the machine: refused now, not OOM-killed under load
+        too_big = check_plan_fits(plan)
+    except (OSError, ValueError) as e:
+        too_big = None
+        say(f"warning: could not estimate the plan's memory ({e})")
+    if too_big:
+        say(f"error: {too_big}")
+        return 2
     busy = [f"{spec.name} port {port}" for spec in plan.children for port in spec.ports
             if _port_in_use(config.host if spec.name == "gateway" else "127.0.0.1", port)]
     if busy:

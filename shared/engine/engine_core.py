@@ -160,6 +160,10 @@ class EngineCore:
                     "max_num_batched_tokens=%d", self.num_gpu_blocks, cache_config.block_size,
                     scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this engine holds by kind (`ModelRunner.memory_bytes`)."""
+        return self.model_runner.memory_bytes()
+
     def validate_request(self, request: Request) -> None:
         """`scheduling_policy.validate_request` under this engine's limits: ValueError naming
         the field for a request the engine cannot serve."""

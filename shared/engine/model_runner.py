@@ -132,6 +132,18 @@ class ModelRunner:
                     self.num_gpu_blocks, self.block_size,
                     self.num_gpu_blocks * kv_cache_bytes_per_block(
                         self.args, self.block_size, model_config.dtype) / 2**20, backend)
+        logger.info("memory held on %s: %s", self.device.type, ", ".join(
+            f"{kind} {n / 2**20:.1f} MiB" for kind, n in self.memory_bytes().items()))
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this runner holds, by kind: the model's weights as loaded ("weights"), their
+        packed copies ("packed_weights") and int8 forms ("int8_weights") (the model's
+        `weight_bytes_by_kind`), and the KV pool ("kv_cache": every layer's K and V, on
+        `device`). Activations are not counted: they come and go with each step."""
+        kinds = self.model.weight_bytes_by_kind()
+        kinds["kv_cache"] = sum(t.numel() * t.element_size()
+                                for pair in self.kv_caches for t in pair)
+        return kinds
 
     def prepare_inputs(self, scheduled: list) -> PreparedInputs:
         """Flatten the scheduled requests (`ScheduledRequest`s, in batch order) into one batch;

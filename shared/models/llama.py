@@ -312,23 +312,34 @@ class LlamaForCausalLM(nn.Module):
         """Bytes of weights this model holds: parameters and buffers (rotary tables included)
         plus the oneDNN-prepacked fp32 copies and the int8 weights; a tensor shared by two
         owners (a tied int8 LM head and embedding) counts once."""
-        tensors = [*self.parameters(), *self.buffers()]
+        return sum(self.weight_bytes_by_kind().values())
+
+    def weight_bytes_by_kind(self) -> dict[str, int]:
+        """Bytes of the weights this model holds, by kind: "weights" (parameters and buffers
+        as loaded, rotary tables included), "packed_weights" (the oneDNN-prepacked and GEMV
+        panel copies of `set_packed_linear`), "int8_weights" (`quantize_int8`'s). A tensor
+        shared by two owners counts once, under the first kind that holds it."""
+        kinds: dict[str, list] = {"weights": [*self.parameters(), *self.buffers()],
+                                  "packed_weights": [], "int8_weights": []}
         for module in self.modules():
             if isinstance(module, Linear):
-                tensors += [module.packed, *(module.int8_weight or ()), *(module.gemv or ())]
-        tensors += [self.lm_head_packed, *(self.lm_head_int8 or ()), *(self.lm_head_gemv or ())]
+                kinds["packed_weights"] += [module.packed, *(module.gemv or ())]
+                kinds["int8_weights"] += list(module.int8_weight or ())
+        kinds["packed_weights"] += [self.lm_head_packed, *(self.lm_head_gemv or ())]
+        kinds["int8_weights"] += list(self.lm_head_int8 or ())
         if isinstance(self.embed_tokens, Int8Embedding):
-            tensors += list(self.embed_tokens.int8_weight)
+            kinds["int8_weights"] += list(self.embed_tokens.int8_weight)
         seen: set[int] = set()
-        total = 0
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = t.data_ptr() if t.layout == torch.strided else id(t)
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return total
+        totals = dict.fromkeys(kinds, 0)
+        for kind, tensors in kinds.items():
+            for t in tensors:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                key = t.data_ptr() if t.layout == torch.strided else id(t)
+                if key not in seen:
+                    seen.add(key)
+                    totals[kind] += t.numel() * t.element_size()
+        return totals
 
     def set_fused_cpu_ops(self, enabled: bool) -> None:
         """Choose, once after the weights are loaded, between the fused CPU ops and the torch

@@ -241,7 +241,8 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
      "error: speculative_config.num_speculative_tokens"),
     (["--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
      "error: speculative_config.model: cannot read the draft '/nonexistent/draft'"),
-], ids=["max_model_len", "spec_k_0", "spec_no_draft"])
+    (["--kv-cache-memory", "4TiB"], "error: this plan needs about"),
+], ids=["max_model_len", "spec_k_0", "spec_no_draft", "kv_past_the_machine"])
 def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path, flags, message):
     """The engines' own configuration check runs in the launcher first (the speculative
     config and its draft's config.json too): one line and exit 2, with no child started and

@@ -1,0 +1,139 @@
+"""Will the plan fit? `pdserve up` refuses at start, in one line, a plan whose processes need
+more memory than the machine (or its container) has, instead of being killed by the kernel
+mid-run (issue 38): the KV pools are allocated lazily (zero pages), so an oversized
+--kv-cache-memory would start and then die under load.
+
+Per engine (prefill or decode replica), before anything is loaded:
+
+    weights   from the checkpoint's safetensors headers (no tensor is read): on the CPU in
+              fp32, 2 x the parameters (the oneDNN-prepacked and GEMV panel copies of
+              `set_packed_linear`; the plain linear weights are dropped) + the embedding
+              (kept plain, and packed twice more as a tied LM head); other dtypes 1 x;
+              on CUDA nothing of the host's. int8 counts as fp32: the bytes it saves go to the
+              KV pool (`determine_num_gpu_blocks`' extra_bytes).
+    kv_cache  --kv-cache-memory (on the CUDA device: nothing of the host's)
+    overhead  ENGINE_OVERHEAD_BYTES: the interpreter, torch, kernels and step activations
+
+plus GATEWAY_BYTES for the gateway. SmolLM2-135M fp32 measured 1,134 MiB of weights held
+(`EngineCore.memory_bytes`); this estimate gives 1,134 MiB.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.services.launcher.plan import Plan
+from pdserve.shared.engine_args import parse_size
+
+ENGINE_OVERHEAD_BYTES = 768 * 2**20
+"""Resident bytes of an engine process beyond its weights and KV pool (SmolLM2 on 2 cores:
+interpreter, torch, compiled kernels, a 2,048-token step's activations), rounded up."""
+GATEWAY_BYTES = 384 * 2**20
+"""Resident bytes of the gateway process (tokenizer, templates, HTTP)."""
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
+                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class ChildMemory:
+    name: str
+    """The child's name in the plan (prefill-0, decode-1, gateway)."""
+    weights: int
+    kv_cache: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.overhead
+
+
+def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
+    """(parameters, embedding parameters) of a safetensors checkpoint, read from the files'
+    headers only. Raises OSError / ValueError for a missing or unreadable file."""
+    import json
+    import struct
+
+    total = embedding = 0
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            numel = 1
+            for dim in info["shape"]:
+                numel *= dim
+            total += numel
+            if name.endswith("embed_tokens.weight"):
+                embedding = numel
+    return total, embedding
+
+
+def engine_weight_bytes(model_path: str, dtype: str, device: str) -> int:
+    """Host bytes of an engine's weights as it holds them (see the module's docstring)."""
+    if device != "cpu":
+        return 0
+    params, embedding = checkpoint_numel(model_path)
+    if dtype in ("float32", "auto"):
+        return (2 * params + embedding) * 4
+    return params * _DTYPE_BYTES.get(dtype, 4)
+
+
+def _flag(argv: tuple[str, ...], name: str, default: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else default
+
+
+def plan_memory(plan: Plan) -> list[ChildMemory]:
+    """Each engine's and the gateway's estimate (Redis: negligible, not listed)."""
+    out = []
+    weights_of: dict[tuple[str, str, str], int] = {}
+    for child in plan.children:
+        argv = child.argv
+        if "serve" in argv and any(role in argv for role in ("prefill", "decode")):
+            device = _flag(argv, "--device", "cpu")
+            key = (_flag(argv, "--model", ""), _flag(argv, "--dtype", "auto"), device)
+            if key not in weights_of:
+                weights_of[key] = engine_weight_bytes(*key)
+            kv = parse_size(_flag(argv, "--kv-cache-memory", "2GiB")) if device == "cpu" else 0
+            out.append(ChildMemory(child.name, weights_of[key], kv, ENGINE_OVERHEAD_BYTES))
+        elif child.name == "gateway" or child.name.startswith("gateway"):
+            out.append(ChildMemory(child.name, 0, 0, GATEWAY_BYTES))
+    return out
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the physical memory, or its cgroup's limit
+    (a container's) when lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
+
+
+def check_plan_fits(plan: Plan, memory: int | None = None) -> str | None:
+    """None when the plan's estimate fits `memory` (default: `machine_memory()`), else the
+    one-line refusal naming the need, what it is made of and what to lower."""
+    children = plan_memory(plan)
+    need = sum(c.total for c in children)
+    memory = machine_memory() if memory is None else memory
+    if need <= memory:
+        return None
+    engines = [c for c in children if c.name != "gateway"]
+    gib = 2 ** 30
+    parts = ", ".join(
+        f"{c.name} {c.total / gib:.1f} GiB (weights {c.weights / gib:.1f} + KV "
+        f"{c.kv_cache / gib:.1f} + runtime {c.overhead / gib:.1f})" for c in engines[:4])
+    if len(engines) > 4:
+        parts += f", ... ({len(engines)} engines)"
+    return (f"this plan needs about {need / gib:.1f} GiB of memory but the machine has "
+            f"{memory / gib:.1f} GiB: {parts}; lower --kv-cache-memory or the number of "
+            "replicas (--num-prefill / --num-decode)")
