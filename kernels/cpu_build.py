@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 FlagSet = tuple[tuple[str, ...], tuple[str, ...]]
 
+_DIGEST_CHARS = 16
+"""Hex characters of a cached library's sha256 in its name."""
+
 
 def find_compiler() -> str | None:
     """`$CC`, else the first of cc, gcc, clang on PATH; None when there is none."""
@@ -86,35 +89,69 @@ def build_library(compiler: str, source: Path, defines: Sequence[str],
 
     Every engine process compiled its kernels at start-up (0.7 s of SmolLM2's 2.3 s engine
     start on the 2-core machine); the cache makes that once per host and build. A cached
-    file that does not load is removed and rebuilt; a cache that cannot be written is
-    skipped (logged at debug level).
+    file is named `<stem>-<key>-<sha256 of its bytes>.so` and loaded only when its bytes
+    still hash to its name: a truncated or corrupted file (mapping one can kill the process
+    with SIGBUS) is never loaded, but skipped (removed when it can be) and rebuilt. A cache
+    that cannot be read or written only costs the compile (logged at debug level).
 
     Returns the library's path, or None when every flag set fails (each failure is logged at
     debug level).
     """
     try:
         key = build_key(compiler, source, defines, flag_sets)
-        cached = kernel_cache_dir() / f"{source.stem}-{key}.so"
+        cache, prefix = kernel_cache_dir(), f"{source.stem}-{key}-"
+        cached = _cached_library(cache, prefix)
     except OSError as e:
         logger.debug("kernel cache unavailable: %s", e)
-        key, cached = None, None
-    if cached is not None and cached.is_file():
-        try:
-            ctypes.CDLL(str(cached))
+        cache = None
+    else:
+        if cached is not None:
             return cached
-        except OSError as e:
-            logger.warning("cached kernel %s does not load (%s); rebuilding", cached, e)
-            cached.unlink(missing_ok=True)
     library = _compile(compiler, source, defines, flag_sets, build_dir)
-    if library is not None and cached is not None:
-        try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
-            shutil.copyfile(library, partial)
-            os.replace(partial, cached)  # atomic: a concurrent build writes the same bytes
-        except OSError as e:
-            logger.debug("could not write the kernel cache %s: %s", cached, e)
+    if library is not None and cache is not None:
+        _store(library, cache, prefix)
     return library
+
+
+def _cached_library(cache: Path, prefix: str) -> Path | None:
+    """The first `<prefix><digest>.so` in `cache` whose bytes hash to its digest."""
+    if not cache.is_dir():
+        return None
+    for candidate in sorted(cache.glob(f"{prefix}*.so")):
+        digest = candidate.name[len(prefix):-len(".so")]
+        try:
+            if hashlib.sha256(candidate.read_bytes()).hexdigest()[:len(digest)] == digest \
+                    and len(digest) == _DIGEST_CHARS:
+                return candidate
+        except OSError:
+            continue
+        logger.warning("cached kernel %s does not match its digest; rebuilding", candidate)
+        try:
+            candidate.unlink()
+        except OSError:
+            pass  # a read-only cache: skipped at every start until it is cleaned
+    return None
+
+
+def _store(library: Path, cache: Path, prefix: str) -> None:
+    """Copy `library` into the cache under its digest: written to a temporary name, synced,
+    then renamed (atomic); nothing is left behind when that fails."""
+    data = library.read_bytes()
+    target = cache / f"{prefix}{hashlib.sha256(data).hexdigest()[:_DIGEST_CHARS]}.so"
+    partial = cache / f"{target.name}.{os.getpid()}.partial"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+    except OSError as e:
+        logger.debug("could not write the kernel cache %s: %s", target, e)
+        try:
+            partial.unlink()
+        except OSError:
+            pass
 
 
 def _compile(compiler: str, source: Path, defines: Sequence[str],

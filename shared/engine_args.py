@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -21,18 +22,22 @@ logger = logging.getLogger(__name__)
 
 
 def parse_size(text: str | int) -> int:
-    """'4GiB', '512M', '1.5G', '1073741824' -> bytes. Raises ValueError."""
+    """'4GiB', '512M', '1.5G', '1073741824' -> bytes, > 0. Raises ValueError (also for zero,
+    negative, infinite or NaN sizes)."""
     if isinstance(text, int):
-        return text
-    s = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    try:
-        if s and s[-1] in mult:
-            return int(float(s[:-1]) * mult[s[-1]])
-        return int(float(s))
-    except ValueError:
-        raise ValueError(
-            f"kv_cache_memory: cannot read size {text!r} (e.g. 2GiB, 512MiB)") from None
+        value = float(text)
+    else:
+        s = str(text).strip().upper().removesuffix("B").removesuffix("I")
+        mult = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+        try:
+            value = float(s[:-1]) * mult[s[-1]] if s and s[-1] in mult else float(s)
+        except ValueError:
+            raise ValueError(
+                f"kv_cache_memory: cannot read size {text!r} (e.g. 2GiB, 512MiB)") from None
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"kv_cache_memory: {text!r} is not a size in bytes > 0 "
+                         "(e.g. 2GiB, 512MiB)")
+    return int(value)
 
 
 def parse_cores(text: str) -> tuple[int, ...]:

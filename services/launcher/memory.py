@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.services.launcher.plan import Plan
-from pdserve.shared.engine_args import parse_size
+from pdserve.shared.engine_args import EngineArgs, parse_size
 
 ENGINE_OVERHEAD_BYTES = 2**30
 """Resident bytes of an engine beyond its weights and KV pool: interpreter, torch, compiled
@@ -75,11 +75,15 @@ def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
 
 
 def engine_weight_bytes(model_path: str, dtype: str, device: str) -> int:
-    """Host bytes of an engine's weights as it holds them (see the module's docstring)."""
+    """Host bytes of an engine's weights as it holds them (see the module's docstring).
+    `dtype` as --dtype takes it: vLLM's aliases and "auto" resolve as the engine resolves
+    them (`EngineArgs.resolve_dtype`: float -> float32, half -> float16, auto on CPU ->
+    float32)."""
     if device != "cpu":
         return 0
+    dtype = EngineArgs(model=model_path, dtype=dtype, device=device).resolve_dtype({})
     params, embedding = checkpoint_numel(model_path)
-    if dtype in ("float32", "auto"):
+    if dtype == "float32":
         return (2 * params + embedding) * 4
     return params * _DTYPE_BYTES.get(dtype, 4)
 

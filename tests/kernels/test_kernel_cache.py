@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +83,51 @@ def test_a_cached_file_that_does_not_load_is_rebuilt(tmp_path, monkeypatch, comp
     library = _build(compiler, source, ["-DANSWER=7"], tmp_path / "b2")
     assert _answer(library) == 7 and len(compiles) == 2
     assert _answer(cached) == 7  # the cache holds the rebuilt library again
+
+
+def test_a_truncated_library_is_never_loaded(tmp_path, monkeypatch, compiler, compiles):
+    """A cut ELF file can pass dlopen's first checks and kill the process with SIGBUS when
+    mapped: its bytes no longer hash to its name, so it is skipped and rebuilt."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "answer.c"
+    source.write_text(SOURCE)
+    _build(compiler, source, ["-DANSWER=8"], tmp_path / "b1")
+    (cached,) = (tmp_path / "cache").glob("answer-*.so")
+    cached.write_bytes(cached.read_bytes()[:len(cached.read_bytes()) // 2])
+    loaded = []
+    real_cdll = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda path, *a, **k: loaded.append(str(path))
+                        or real_cdll(path, *a, **k))
+    library = _build(compiler, source, ["-DANSWER=8"], tmp_path / "b2")
+    assert str(cached) not in loaded  # the cache never dlopens a file it has not verified
+    assert _answer(library) == 8 and len(compiles) == 2
+
+
+def test_a_bad_file_that_cannot_be_removed_is_skipped(tmp_path, monkeypatch, compiler,
+                                                      compiles):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "answer.c"
+    source.write_text(SOURCE)
+    _build(compiler, source, ["-DANSWER=9"], tmp_path / "b1")
+    (cached,) = (tmp_path / "cache").glob("answer-*.so")
+    cached.write_bytes(b"junk")
+
+    real_unlink = Path.unlink
+
+    def refuse(path):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    def unlink(self, *args, **kwargs):  # the bad file cannot go (an immutable cache)
+        return refuse(self) if self == cached else real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_build.Path, "unlink", unlink)
+    monkeypatch.setattr(cpu_build.os, "replace", lambda src, dst: refuse(dst))
+    for n in (2, 3):  # every start compiles, none fails
+        library = _build(compiler, source, ["-DANSWER=9"], tmp_path / f"b{n}")
+        assert _answer(library) == 9 and len(compiles) == n
+    monkeypatch.undo()
+    assert cached.read_bytes() == b"junk"
+    assert not list((tmp_path / "cache").glob("*.partial"))  # the failed writes cleaned up
 
 
 def test_an_unwritable_cache_only_costs_the_compile(tmp_path, monkeypatch, compiler, compiles):

@@ -42,6 +42,10 @@ def test_the_checkpoint_is_counted_from_its_headers(tmp_path):
     assert checkpoint_numel(tmp_path) == (64, 40)
     assert engine_weight_bytes(str(tmp_path), "float32", "cpu") == (2 * 64 + 40) * 4
     assert engine_weight_bytes(str(tmp_path), "bfloat16", "cpu") == 64 * 2
+    # vLLM's aliases and auto, as the engine resolves them
+    assert engine_weight_bytes(str(tmp_path), "float", "cpu") == (2 * 64 + 40) * 4
+    assert engine_weight_bytes(str(tmp_path), "auto", "cpu") == (2 * 64 + 40) * 4
+    assert engine_weight_bytes(str(tmp_path), "half", "cpu") == 64 * 2
     assert engine_weight_bytes(str(tmp_path), "float32", "cuda") == 0
 
 

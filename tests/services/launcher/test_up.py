@@ -242,7 +242,10 @@ def test_up_serves_openai_chat_survives_a_decode_kill_and_stops_cleanly(model_pa
     (["--speculative-config", '{"model": "/nonexistent/draft", "num_speculative_tokens": 2}'],
      "error: speculative_config.model: cannot read the draft '/nonexistent/draft'"),
     (["--kv-cache-memory", "4TiB"], "error: this plan needs about"),
-], ids=["max_model_len", "spec_k_0", "spec_no_draft", "kv_past_the_machine"])
+    (["--kv-cache-memory=-1G"], "error: kv_cache_memory: '-1G' is not a size in bytes > 0"),
+    (["--kv-cache-memory", "inf"], "error: kv_cache_memory: 'inf' is not a size in bytes > 0"),
+], ids=["max_model_len", "spec_k_0", "spec_no_draft", "kv_past_the_machine", "kv_negative",
+        "kv_infinite"])
 def test_up_refuses_a_bad_engine_flag_before_starting_anything(model_path, flags, message):
     """The engines' own configuration check runs in the launcher first (the speculative
     config and its draft's config.json too): one line and exit 2, with no child started and
