@@ -8,9 +8,10 @@ UNAVAILABLE within seconds (and fail over) instead of hanging until `request_tim
 channel of an instance that left the registry is closed by `forget` once no Prefill or
 Generate call runs on it.
 
-Each running Generate call is indexed by its HTTP request's engine prefix (engine request ids
-are `<prefix>-<choice>` or `<prefix>-<choice>-retry<k>`), so `set_paused` can reach every
-decode instance serving one stream (engine-side backpressure, backpressure.py).
+Each running Generate call is indexed by its HTTP request's engine prefix, which the caller
+hands in with the call (nothing is parsed back out of engine request ids), so `set_paused`
+can reach every decode instance serving one stream (engine-side backpressure,
+backpressure.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import time
 from collections import Counter
 from typing import NamedTuple
@@ -32,8 +32,6 @@ from pdserve.shared import config as shared_config
 from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
-_ENGINE_ID_RE = re.compile(r"(.+)-\d+(?:-retry\d+)?")
-"""An engine request id: (the HTTP request's engine prefix)-choice[-retry<k>]."""
 
 
 class _Channel(NamedTuple):
@@ -97,15 +95,16 @@ class ChannelPool:
         finally:
             self._call_done(address)
 
-    def generate(self, address: str, request: engine_pb2.DecodeRequest,
-                 request_id: str) -> grpc.aio.UnaryStreamCall:
-        """The decode stream; iterate it, `cancel()` it to stop."""
+    def generate(self, address: str, request: engine_pb2.DecodeRequest, request_id: str,
+                 engine_prefix: str | None = None) -> grpc.aio.UnaryStreamCall:
+        """The decode stream; iterate it, `cancel()` it to stop. `engine_prefix`: the HTTP
+        request's engine prefix, under which `set_paused` finds the call (None: the engine
+        request id itself)."""
         call = self._get(address).decode.Generate(
             request, timeout=self.request_timeout, metadata=self._metadata(request_id))
         self._active[address] += 1
         rid = request.request_id
-        m = _ENGINE_ID_RE.fullmatch(rid)
-        prefix = m.group(1) if m else rid
+        prefix = engine_prefix or rid
         self._decode_calls.setdefault(prefix, {})[rid] = address
 
         def done(_) -> None:

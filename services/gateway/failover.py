@@ -128,11 +128,13 @@ class EngineClient:
 
     async def generate(self, engine_request_id: str, prompt_token_ids: list[int],
                        params: engine_pb2.SamplingParams, *, cache_salt: str | None,
-                       request_id: str, lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[EngineOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None,
+                       engine_prefix: str | None = None) -> AsyncIterator[EngineOutput]:
         """The engine's outputs for one request, ending with the one that has a finish; only
         the first output carries num_cached_tokens. `lora_request`: the adapter (None: the
-        base model); placed on the instances that have it loaded.
+        base model); placed on the instances that have it loaded. `engine_prefix`: the HTTP
+        request's engine prefix, under which its decode calls are paused (None: the engine
+        request id).
 
         Raises:
             GatewayError: 503 when no decode instance is usable or the retry budget is spent;
@@ -182,8 +184,9 @@ class EngineClient:
                 cache_salt=cache_salt or "",
                 lora_request=None if lora_request is None else adapter_to_proto(lora_request))
             try:
-                async with aclosing(prefill_then_decode(self.channels, self.placer, placement,
-                                                        decode_req, request_id)) as outputs:
+                async with aclosing(prefill_then_decode(
+                        self.channels, self.placer, placement, decode_req, request_id,
+                        engine_prefix or engine_request_id)) as outputs:
                     async for out in outputs:
                         if cached_reported:
                             out = out._replace(num_cached_tokens=None)

@@ -81,9 +81,11 @@ class EngineOutput(NamedTuple):
 
 async def prefill_then_decode(
         channels: ChannelPool, placer: Placer, placement: Placement,
-        decode_req: engine_pb2.DecodeRequest, request_id: str) -> AsyncIterator[EngineOutput]:
+        decode_req: engine_pb2.DecodeRequest, request_id: str,
+        engine_prefix: str | None = None) -> AsyncIterator[EngineOutput]:
     """The outputs after `decode_req.output_token_ids` (tokens already handed out), from
-    `placement`; `decode_req.request_id` is the attempt's engine request id.
+    `placement`; `decode_req.request_id` is the attempt's engine request id, `engine_prefix`
+    its HTTP request's (`ChannelPool.generate`).
 
     Raises:
         AttemptFailed: a retriable failure (the instance is at fault).
@@ -126,7 +128,7 @@ async def prefill_then_decode(
         address = placement.decode_address
         used.append((address, "decode"))
         try:
-            call = channels.generate(address, decode_req, request_id)
+            call = channels.generate(address, decode_req, request_id, engine_prefix)
             is_first = placement.prefill_address is None
             async for chunk in call:
                 finished = chunk.finish_reason != _NOT_FINISHED

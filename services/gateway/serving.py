@@ -273,7 +273,8 @@ class OpenAIServing:
                 processors.append(proc)
                 streams.append(_run_choice(grant, index, proc, self.engine.generate(
                     f"{engine_prefix}-{index}", prompt.token_ids, to_engine_params(sp, i),
-                    cache_salt=cache_salt, request_id=request_id, lora_request=lora_request)))
+                    cache_salt=cache_salt, request_id=request_id, lora_request=lora_request,
+                    engine_prefix=engine_prefix)))
         for sp in sampling:
             self.metrics.request_params_n.observe(sp.n)
             for _ in range(sp.n):

@@ -176,10 +176,42 @@ async def test_a_pause_that_finds_no_request_is_asked_again():
     await backlog.close()
 
 
-async def test_engine_ids_map_back_to_their_streams_prefix():
-    from pdserve.services.gateway.channel_pool import _ENGINE_ID_RE
+async def test_decode_calls_are_indexed_by_the_prefix_their_caller_gives():
+    """ChannelPool.generate files each Generate call under the engine prefix handed in (no
+    id is parsed): every choice and retry of one HTTP request under its prefix, until the
+    call is done."""
+    from types import SimpleNamespace
 
-    for rid, prefix in (("0a1b-0", "0a1b"), ("0a1b-12-retry2", "0a1b"),
-                        ("client-id-1234abcd-3", "client-id-1234abcd"),
-                        ("client-id-12345678-0-retry1", "client-id-12345678")):
-        assert _ENGINE_ID_RE.fullmatch(rid).group(1) == prefix
+    from pdserve.services.gateway.channel_pool import ChannelPool
+    from pdserve.shared.proto import engine_pb2
+
+    class FakeCall:
+        def __init__(self) -> None:
+            self.callbacks = []
+
+        def add_done_callback(self, fn) -> None:
+            self.callbacks.append(fn)
+
+        def finish(self) -> None:
+            for fn in self.callbacks:
+                fn(self)
+
+    calls: list[FakeCall] = []
+
+    def fake_generate(request, timeout, metadata):
+        calls.append(FakeCall())
+        return calls[-1]
+
+    pool = ChannelPool()
+    pool._get = lambda address: SimpleNamespace(decode=SimpleNamespace(Generate=fake_generate))
+    for rid, address in (("c1-ab12-0", "d1:1"), ("c1-ab12-1-retry2", "d2:1"),
+                         ("other-7", "d1:1")):
+        prefix = None if rid == "other-7" else "c1-ab12"
+        pool.generate(address, engine_pb2.DecodeRequest(request_id=rid), "http-1", prefix)
+    assert pool._decode_calls == {"c1-ab12": {"c1-ab12-0": "d1:1", "c1-ab12-1-retry2": "d2:1"},
+                                  "other-7": {"other-7": "d1:1"}}
+    calls[0].finish()
+    assert pool._decode_calls["c1-ab12"] == {"c1-ab12-1-retry2": "d2:1"}
+    calls[1].finish()
+    calls[2].finish()
+    assert pool._decode_calls == {} and not pool._active
