@@ -47,6 +47,16 @@ def _build(compiler, source, defines, build_dir):
     return cpu_build.build_library(compiler, source, defines, FLAGS, build_dir)
 
 
+def _built_once(tmp_path, monkeypatch, compiler, define):
+    """A cache under tmp_path holding the one library `define` builds: (source, its file)."""
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "answer.c"
+    source.write_text(SOURCE)
+    _build(compiler, source, [define], tmp_path / "b1")
+    (cached,) = (tmp_path / "cache").glob("answer-*.so")
+    return source, cached
+
+
 def _answer(library) -> int:
     return ctypes.CDLL(str(library)).answer()
 
@@ -74,11 +84,7 @@ def test_a_build_is_compiled_once_then_loaded_from_the_cache(tmp_path, monkeypat
 
 def test_a_cached_file_that_does_not_load_is_rebuilt(tmp_path, monkeypatch, compiler,
                                                      compiles):
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    source = tmp_path / "answer.c"
-    source.write_text(SOURCE)
-    _build(compiler, source, ["-DANSWER=7"], tmp_path / "b1")
-    (cached,) = (tmp_path / "cache").glob("answer-*.so")
+    source, cached = _built_once(tmp_path, monkeypatch, compiler, "-DANSWER=7")
     cached.write_bytes(b"not an ELF file")
     library = _build(compiler, source, ["-DANSWER=7"], tmp_path / "b2")
     assert _answer(library) == 7 and len(compiles) == 2
@@ -88,11 +94,7 @@ def test_a_cached_file_that_does_not_load_is_rebuilt(tmp_path, monkeypatch, comp
 def test_a_truncated_library_is_never_loaded(tmp_path, monkeypatch, compiler, compiles):
     """A cut ELF file can pass dlopen's first checks and kill the process with SIGBUS when
     mapped: its bytes no longer hash to its name, so it is skipped and rebuilt."""
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    source = tmp_path / "answer.c"
-    source.write_text(SOURCE)
-    _build(compiler, source, ["-DANSWER=8"], tmp_path / "b1")
-    (cached,) = (tmp_path / "cache").glob("answer-*.so")
+    source, cached = _built_once(tmp_path, monkeypatch, compiler, "-DANSWER=8")
     cached.write_bytes(cached.read_bytes()[:len(cached.read_bytes()) // 2])
     loaded = []
     real_cdll = ctypes.CDLL
@@ -105,11 +107,7 @@ def test_a_truncated_library_is_never_loaded(tmp_path, monkeypatch, compiler, co
 
 def test_a_bad_file_that_cannot_be_removed_is_skipped(tmp_path, monkeypatch, compiler,
                                                       compiles):
-    monkeypatch.setenv("PDSERVE_KERNEL_CACHE_DIR", str(tmp_path / "cache"))
-    source = tmp_path / "answer.c"
-    source.write_text(SOURCE)
-    _build(compiler, source, ["-DANSWER=9"], tmp_path / "b1")
-    (cached,) = (tmp_path / "cache").glob("answer-*.so")
+    source, cached = _built_once(tmp_path, monkeypatch, compiler, "-DANSWER=9")
     cached.write_bytes(b"junk")
 
     real_unlink = Path.unlink
