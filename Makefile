@@ -69,9 +69,9 @@ clean:
 	rm -rf $(VENV) .pytest_cache build
 
 # The proto is compiled at its import path under the namespace (protoc's virtual path
-# `pdserve=.`), so the stubs import `pdserve.shared.proto.engine_pb2`; then copied back.
+# `pdserve=.`), so the stubs import `pdserve.services.proto.engine_pb2`; then copied back.
 proto:
 	rm -rf build/proto && mkdir -p build/proto
 	$(VPY) -m grpc_tools.protoc --proto_path=pdserve=. --python_out=build/proto \
-	    --pyi_out=build/proto --grpc_python_out=build/proto pdserve/shared/proto/engine.proto
-	cp build/proto/pdserve/shared/proto/engine_pb2* shared/proto/
+	    --pyi_out=build/proto --grpc_python_out=build/proto pdserve/services/proto/engine.proto
+	cp build/proto/pdserve/services/proto/engine_pb2* services/proto/

@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.breakdown import Stack, log  # noqa: E402
 from benchmarks.serving import percentiles  # noqa: E402
-from pdserve.shared.proto import engine_pb2 as pb  # noqa: E402
-from pdserve.shared.proto import engine_pb2_grpc  # noqa: E402
+from pdserve.services.proto import engine_pb2 as pb  # noqa: E402
+from pdserve.services.proto import engine_pb2_grpc  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

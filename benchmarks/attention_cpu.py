@@ -31,8 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pdserve.kernels import reference, torch_paged
+from pdserve.kernels.attn_metadata import AttentionMetadata  # noqa: E402
 from pdserve.kernels.ops import prepare_torch_metadata  # noqa: E402
-from pdserve.shared.engine.attn_metadata import AttentionMetadata  # noqa: E402
 
 NUM_LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

@@ -402,8 +402,8 @@ def engine_states(stack: Stack) -> dict:
     """GetState of each engine after the run (blocks used / pinned: leak check)."""
     import grpc
 
-    from pdserve.shared.proto import engine_pb2 as pb
-    from pdserve.shared.proto import engine_pb2_grpc as pb_grpc
+    from pdserve.services.proto import engine_pb2 as pb
+    from pdserve.services.proto import engine_pb2_grpc as pb_grpc
 
     out = {}
     for name, e in stack.engines.items():

@@ -26,8 +26,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import build_workload  # noqa: E402
-from pdserve.shared.proto import engine_pb2 as pb  # noqa: E402
-from pdserve.shared.proto import engine_pb2_grpc as pb_grpc  # noqa: E402
+from pdserve.services.proto import engine_pb2 as pb  # noqa: E402
+from pdserve.services.proto import engine_pb2_grpc as pb_grpc  # noqa: E402
 
 
 async def via_gateway(client: httpx.AsyncClient, model: str, prompt: str, n: int) -> float:

@@ -32,8 +32,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import build_workload  # noqa: E402
-from pdserve.shared.proto import engine_pb2 as pb  # noqa: E402
-from pdserve.shared.proto import engine_pb2_grpc  # noqa: E402
+from pdserve.services.proto import engine_pb2 as pb  # noqa: E402
+from pdserve.services.proto import engine_pb2_grpc  # noqa: E402
 
 MIB = 1 << 20
 OPTIONS = [("grpc.max_send_message_length", 64 * MIB),

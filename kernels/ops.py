@@ -7,7 +7,7 @@
   `pdserve.kernels.ops` needs neither triton nor a GPU.
 - "reference": the slow, obviously-correct torch reference (`kernels/reference.py`).
 
-Every backend takes the step's `AttentionMetadata` (shared/engine/attn_metadata.py documents
+Every backend takes the step's `AttentionMetadata` (kernels/attn_metadata.py documents
 its fields). Cache per layer: k_cache, v_cache [num_blocks, block_size, num_kv_heads,
 head_dim]; block 0 is the null block. See docs/engine-contracts.md, section `kernels/`.
 """
@@ -22,7 +22,7 @@ from pdserve.kernels import reference, torch_paged
 from pdserve.kernels.torch_paged import TorchAttentionMetadata, prepare_torch_metadata
 
 if TYPE_CHECKING:  # kernels imports nothing from shared at run time
-    from pdserve.shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.kernels.attn_metadata import AttentionMetadata
 
 Backend = Literal["torch", "triton", "reference"]
 

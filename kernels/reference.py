@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pdserve.shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.kernels.attn_metadata import AttentionMetadata
 
 
 def store_kv_cache(

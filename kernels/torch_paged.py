@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from pdserve.kernels.cpu_native import DecodeRows, load_native_kernel, paged_attention_rows
 
 if TYPE_CHECKING:
-    from pdserve.shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.kernels.attn_metadata import AttentionMetadata
 
 DECODE_BUCKET_SIZE = 16
 """Decode rows per gathered bucket in the torch-ops fallback (padding vs per-bucket cost)."""

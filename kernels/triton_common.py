@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from pdserve.shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.kernels.attn_metadata import AttentionMetadata
 
 
 class AttentionDims(NamedTuple):

@@ -19,7 +19,7 @@ import triton.language as tl
 from pdserve.kernels.triton_common import check_paged_attention_inputs, soft_cap_tanh
 
 if TYPE_CHECKING:
-    from pdserve.shared.engine.attn_metadata import AttentionMetadata
+    from pdserve.kernels.attn_metadata import AttentionMetadata
 
 
 @triton.jit

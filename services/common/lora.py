@@ -12,8 +12,8 @@ from __future__ import annotations
 import grpc
 
 from pdserve.services.common.errors import ServiceError
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.lora.request import LoRARequest
-from pdserve.shared.proto import engine_pb2 as pb
 
 
 def lora_stats_op(engine) -> tuple[set[str], set[str], int] | None:

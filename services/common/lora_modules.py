@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import xxhash
 
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.lora.request import LoRARequest
-from pdserve.shared.proto import engine_pb2 as pb
 
 
 def lora_int_id_of(lora_name: str) -> int:

@@ -32,9 +32,9 @@ import logging
 
 from pdserve.services.common.lora import lora_stats_op
 from pdserve.services.common.metrics import EngineStats
+from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 from pdserve.services.common.worker import EngineWorker, stats_op
 from pdserve.shared.kv_cache.block_pool import BlockStored, KVCacheEvent
-from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 
 logger = logging.getLogger(__name__)
 

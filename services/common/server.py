@@ -33,6 +33,7 @@ from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.metrics import ServiceMetrics
 from pdserve.services.common.monitor import InstanceMonitor
+from pdserve.services.common.prefix_index import PrefixIndex
 from pdserve.services.common.readiness import (
     STEP_FAULT_ENV,
     StallWatchdog,
@@ -44,7 +45,6 @@ from pdserve.services.common.worker import EngineWorker, Identity
 from pdserve.shared.config import grpc_keepalive_server_options
 from pdserve.shared.engine.async_engine import AsyncEngine
 from pdserve.shared.engine.engine_core import EngineCore
-from pdserve.shared.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

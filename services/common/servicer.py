@@ -18,7 +18,7 @@ from pdserve.services.common.lora_modules import adapter_from_proto, adapter_to_
 from pdserve.services.common.server import Phase, ServiceRuntime
 from pdserve.services.common.state_feed import HistogramView, StateFrame
 from pdserve.services.common.worker import EngineWorker
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 W = TypeVar("W", bound=EngineWorker)

@@ -33,6 +33,8 @@ from pdserve.services.common.auth import call_metadata, internal_channel
 from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.metrics import ServiceMetrics
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.config import GRPC_RECONNECT_BACKOFF_MS
 from pdserve.shared.engine.trace import Tracer, now_us
 from pdserve.shared.kv_transfer.codec import (
@@ -44,8 +46,6 @@ from pdserve.shared.kv_transfer.codec import (
     write_kv_blocks,
 )
 from pdserve.shared.kv_transfer.handle import KVHandle
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

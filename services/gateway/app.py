@@ -69,7 +69,7 @@ def _connect_registry(config: GatewayConfig) -> RegistryView | None:
     one): no request and no /health ever waits on Redis."""
     if not config.redis_url:
         return None
-    from pdserve.shared.prefix_index import PrefixIndex
+    from pdserve.services.common.prefix_index import PrefixIndex
 
     # NOTE: instances register under their served model name: configure the same one here.
     return RegistryView(PrefixIndex(config.redis_url, config.served_model_name))

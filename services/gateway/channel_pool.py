@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.common.auth import call_metadata, internal_channel
 from pdserve.services.gateway.control_calls import ControlCallStats
+from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 from pdserve.shared import config as shared_config
-from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

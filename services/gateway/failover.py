@@ -36,8 +36,8 @@ from pdserve.services.gateway.health import (
 from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.placement import Placer
 from pdserve.services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
+from pdserve.services.proto import engine_pb2
 from pdserve.shared.lora.request import LoRARequest
-from pdserve.shared.proto import engine_pb2
 from pdserve.shared.stop_rules import at_length_limit
 
 logger = logging.getLogger(__name__)

@@ -38,8 +38,8 @@ from pdserve.services.common.lora_modules import (
 )
 from pdserve.services.gateway.admin import require_admin
 from pdserve.services.gateway.errors import GatewayError, model_not_found
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.lora.request import LoRARequest
-from pdserve.shared.proto import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

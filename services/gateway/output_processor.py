@@ -17,7 +17,7 @@ from pdserve.services.gateway.detokenizer import Decoder, IncrementalDetokenizer
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.prefill_decode import EngineOutput
 from pdserve.services.gateway.stop_checker import StopChecker, StopTable
-from pdserve.shared.proto import engine_pb2
+from pdserve.services.proto import engine_pb2
 from pdserve.shared.sampling_params import SamplingParams
 
 _FINISH_REASONS = {

@@ -54,7 +54,7 @@ MIN_CACHED_FRACTION = 0.5
 
 
 class InstanceRegistry(Protocol):
-    """What placement needs from the prefix index (shared/prefix_index.py's PrefixIndex)."""
+    """What placement needs from the prefix index (services/common/prefix_index.PrefixIndex)."""
 
     async def live_instances(self, role: str | None = None) -> list[Any]:
         """Instances with `instance_id`, `role`, `address`, `num_running`, `num_waiting`."""

@@ -20,7 +20,7 @@ import grpc
 from pdserve.services.gateway.channel_pool import ChannelPool
 from pdserve.services.gateway.errors import GatewayError, from_grpc_error, model_not_found
 from pdserve.services.gateway.placement import Placement, Placer
-from pdserve.shared.proto import engine_pb2
+from pdserve.services.proto import engine_pb2
 
 _NOT_FINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
 _CODE = grpc.StatusCode

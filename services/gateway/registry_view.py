@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
+from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pdserve.services.gateway.config import GatewayConfig
 from pdserve.services.gateway.errors import GatewayError, bad_request
 from pdserve.services.gateway.generation_config import GenerationDefaults
 from pdserve.services.gateway.protocol import SamplingRequest
-from pdserve.shared.proto import engine_pb2
+from pdserve.services.proto import engine_pb2
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.structured_output.params import StructuredOutputsParams
 

@@ -46,7 +46,7 @@ from pdserve.services.gateway.serving import response_id
 from pdserve.services.gateway.streams import run_until_disconnect
 from pdserve.services.gateway.tenancy import request_cache_salt
 from pdserve.services.gateway.tokenization import GatewayTokenizer
-from pdserve.shared.proto import engine_pb2
+from pdserve.services.proto import engine_pb2
 
 
 def not_supported(api: str) -> GatewayError:

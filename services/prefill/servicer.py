@@ -18,9 +18,9 @@ from pdserve.services.common.errors import abort_with
 from pdserve.services.common.server import ServiceRuntime
 from pdserve.services.common.servicer import EngineServicerBase
 from pdserve.services.prefill.worker import PrefillWorker
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.kv_transfer.codec import KVChunkData
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import ops
-from pdserve.shared.engine.attn_metadata import AttentionMetadata
+from pdserve.kernels.attn_metadata import AttentionMetadata
 
 
 class PagedAttention:

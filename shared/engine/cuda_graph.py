@@ -33,8 +33,8 @@ from typing import Protocol
 
 import torch
 
+from pdserve.kernels.attn_metadata import AttentionMetadata
 from pdserve.shared.engine.attention import PagedAttention
-from pdserve.shared.engine.attn_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pdserve.kernels.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.shared.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from pdserve.shared.engine.attention import PagedAttention
-from pdserve.shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
 from pdserve.shared.engine.pooler import has_pooling, pool_step
 from pdserve.shared.engine.prompt_logprobs import (

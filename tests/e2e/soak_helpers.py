@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.services.helpers import RPC_TIMEOUT, Cluster, index_matches, wait_leak_free
 
 WORDS = ("river mountain lantern violet copper harbor meadow silent orange falcon thunder "

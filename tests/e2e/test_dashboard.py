@@ -35,9 +35,9 @@ import pytest
 import pytest_asyncio
 
 from pdserve.services.common.servicer import frame_to_proto
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.engine.async_engine import AsyncEngine
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 from tests.e2e.conftest import E2E_ENGINE, Urls
 from tests.services.churn import ChurnEngine, feed
 from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway

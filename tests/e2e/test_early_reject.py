@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.e2e.conftest import Urls
 from tests.e2e.test_gateway_real import filler
 from tests.procs import ServiceGroup

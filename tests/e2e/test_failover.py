@@ -36,8 +36,8 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.gateway.health import InstanceStatus
+from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 from pdserve.shared import config as shared_config
-from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
 from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.e2e.conftest import Urls
 from tests.procs import ServiceGroup, ServiceProcess

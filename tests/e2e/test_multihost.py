@@ -42,7 +42,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.e2e.netns_hosts import Host, HostNetwork, HostProcess, cannot_make_hosts
 from tests.procs import REPO_ROOT

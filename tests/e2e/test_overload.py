@@ -35,7 +35,7 @@ import pytest_asyncio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.services.gateway.tokenization import load_tokenizer
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import SERVED_MODEL
 from tests.services.gateway.fake_engine import (
     SCRIPT_TEXT,

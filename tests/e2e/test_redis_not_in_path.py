@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.services.common.prefix_index import PrefixIndex
 from pdserve.services.launcher.health import redis_ping
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from pdserve.shared.prefix_index import PrefixIndex
 from tests.conftest import PARITY_MESSAGES, TEST_QUANTIZATION
 from tests.services.launcher.test_up import _child_running, _free_port, _health_ok
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2_grpc
 from tests.e2e.conftest import E2E_ENGINE, Urls
 from tests.services.gateway.conftest import SERVED_MODEL, running_gateway
 from tests.services.helpers import (

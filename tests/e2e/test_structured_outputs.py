@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 from pdserve.services.gateway.config import read_chat_template
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.e2e.conftest import E2E_ENGINE, Urls
 from tests.e2e.structured_schemas import SCHEMAS
 from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway

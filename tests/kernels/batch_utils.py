@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.shared.engine.attn_metadata import AttentionMetadata
+from pdserve.kernels.attn_metadata import AttentionMetadata
 
 
 class PagedBatch(NamedTuple):

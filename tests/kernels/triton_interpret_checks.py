@@ -117,8 +117,8 @@ def check_graph_padded_decode(seed: int) -> float:
     model on the reference backend: the outputs and every KV cache after the step."""
     import numpy as np
 
+    from pdserve.kernels.attn_metadata import build_attn_metadata
     from pdserve.shared.engine.attention import PagedAttention
-    from pdserve.shared.engine.attn_metadata import build_attn_metadata
     from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
     from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 

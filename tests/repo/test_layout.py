@@ -35,9 +35,9 @@ def test_generated_proto_stubs_are_current(tmp_path):
 
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "--proto_path=pdserve=.",
                     f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
-                    f"--grpc_python_out={tmp_path}", "pdserve/shared/proto/engine.proto"],
+                    f"--grpc_python_out={tmp_path}", "pdserve/services/proto/engine.proto"],
                    cwd=ROOT, check=True)
     for name in ("engine_pb2.py", "engine_pb2.pyi", "engine_pb2_grpc.py"):
-        fresh = (tmp_path / "pdserve" / "shared" / "proto" / name).read_text()
-        assert fresh == (ROOT / "shared" / "proto" / name).read_text(), (
-            f"shared/proto/{name} is stale: run `make proto`")
+        fresh = (tmp_path / "pdserve" / "services" / "proto" / name).read_text()
+        assert fresh == (ROOT / "services" / "proto" / name).read_text(), (
+            f"services/proto/{name} is stale: run `make proto`")

@@ -13,11 +13,11 @@ import grpc
 
 from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.launch import build_runtime
+from pdserve.services.common.prefix_index import PrefixIndex
 from pdserve.services.common.server import ServiceRuntime
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.engine_args import EngineArgs
-from pdserve.shared.prefix_index import PrefixIndex
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 
 RPC_TIMEOUT = 120.0
 """Deadline of every test call: generous, the machine is shared and slow at times."""

@@ -11,7 +11,7 @@ import random
 import grpc
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.services.helpers import (
     NOT_FINISHED,
     RPC_TIMEOUT,

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 from tests.services.helpers import RPC_TIMEOUT, greedy, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS, TEST_QUANTIZATION
 from tests.services.helpers import RPC_TIMEOUT, greedy, run_split, wait_leak_free

@@ -26,10 +26,10 @@ from pdserve.services.gateway.config import add_cli_args as add_gateway_args
 from pdserve.services.launcher.config import UpConfig
 from pdserve.services.launcher.plan import build_plan
 from pdserve.services.launcher.up import with_internal_token
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
 from pdserve.shared.engine_args import EngineArgs
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import running_gateway
 from tests.services.helpers import (
     RPC_TIMEOUT,

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.services.helpers import (
     NOT_FINISHED,
     RPC_TIMEOUT,

@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.cli import main as cli_main
 from pdserve.services.common.launch import build_runtime, engine_loader
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.services.helpers import (
     RPC_TIMEOUT,
     Cluster,

@@ -20,8 +20,8 @@ import pytest
 import pytest_asyncio
 
 from pdserve.services.common.lora_modules import adapter_to_proto, make_lora_request
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto.engine_pb2_grpc import DecodeServiceStub, PrefillServiceStub
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto.engine_pb2_grpc import DecodeServiceStub, PrefillServiceStub
 from tests.services.gateway.conftest import running_gateway
 from tests.services.helpers import (
     RPC_TIMEOUT,

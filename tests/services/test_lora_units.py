@@ -25,9 +25,9 @@ from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.placement import Placer, request_extra_keys
 from pdserve.services.launcher.config import config_from_args
 from pdserve.services.launcher.plan import build_plan
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_cache.prefix_hash import hash_request_tokens
-from pdserve.shared.proto import engine_pb2 as pb
 from pdserve.shared.request import Request
 from pdserve.shared.sampling_params import SamplingParams
 

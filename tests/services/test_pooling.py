@@ -22,8 +22,8 @@ import pytest_asyncio
 import torch
 import torch.nn.functional as F
 
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import running_gateway
 from tests.services.helpers import (
     cached_hashes,

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.conftest import TEST_QUANTIZATION
 from tests.services.helpers import (
     RPC_TIMEOUT,

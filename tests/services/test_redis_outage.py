@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.services.helpers import cached_hashes, greedy, index_matches, run_split
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -20,8 +20,8 @@ import dataclasses
 
 import pytest
 
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.llm import LLM
-from pdserve.shared.proto import engine_pb2 as pb
 from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import TEST_QUANTIZATION
 from tests.services.helpers import RPC_TIMEOUT, run_split, wait_leak_free

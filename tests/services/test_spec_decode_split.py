@@ -15,7 +15,7 @@ import pytest_asyncio
 from prometheus_client import generate_latest
 
 from pdserve.services.gateway.federation import merge, parse_families, vllm_families
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.sampling_params import SamplingParams
 from tests.conftest import NUM_PARITY_TOKENS, TEST_QUANTIZATION
 from tests.services.helpers import RPC_TIMEOUT, greedy, run_split, start_cluster, wait_leak_free

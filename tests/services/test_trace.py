@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.engine.trace import Tracer, read_trace
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
 from tests.procs import ServiceGroup
 
 PROMPT = list(range(100, 180))  # 80 tokens: 5 blocks of 16

@@ -18,8 +18,8 @@ import time
 import grpc
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.procs import ServiceGroup
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdserve.shared.proto import engine_pb2
+from pdserve.services.proto import engine_pb2
 from pdserve.shared.request import Request, RequestStatus
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.stop_rules import at_length_limit, check_stop, check_stop_token, num_tokens_left

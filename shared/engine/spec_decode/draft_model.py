@@ -29,9 +29,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pdserve.kernels.attn_metadata import build_attn_metadata
 from pdserve.shared.config import ModelConfig
 from pdserve.shared.engine.attention import PagedAttention
-from pdserve.shared.engine.attn_metadata import build_attn_metadata
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
 from pdserve.shared.engine.spec_decode.draft_kv import DraftKVCache
 from pdserve.shared.models.loader import load_model

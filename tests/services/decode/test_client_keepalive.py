@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.config import SERVER_KEEPALIVE_S, SERVER_KEEPALIVE_TIMEOUT_S
-from pdserve.shared.proto import engine_pb2 as pb
 from tests.services.helpers import RPC_TIMEOUT
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"),
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[3]
 FREE_BOUND_S = 10.0
 CLIENT = """
 import sys, grpc
-from pdserve.shared.proto import engine_pb2 as pb, engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb, engine_pb2_grpc
 stub = engine_pb2_grpc.DecodeServiceStub(grpc.insecure_channel(sys.argv[1]))
 call = stub.Generate(pb.DecodeRequest(
     request_id="frozen-client", prompt_token_ids=list(range(600, 680)),

@@ -12,8 +12,8 @@ import random
 import grpc
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.services.helpers import RPC_TIMEOUT, free_port, greedy, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.sampling_params import SamplingParams
 from tests.services.helpers import RPC_TIMEOUT, greedy, wait_leak_free
 

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.worker import STATE_WAIT_S
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.services.gateway.conftest import running_gateway
 from tests.services.helpers import (
     RPC_TIMEOUT,

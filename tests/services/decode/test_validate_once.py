@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from pdserve.shared.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2 as pb
 from tests.services.helpers import RPC_TIMEOUT, greedy, run_split, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 from pdserve.shared.stop_rules import at_length_limit, check_stop_token
 
 SCRIPT_TEXT = ("Hello there! Counting: 1 2 3 4 5 6 7 8 9 10. Café 🙂 and 你好世界, "

@@ -183,7 +183,7 @@ async def test_decode_calls_are_indexed_by_the_prefix_their_caller_gives():
     from types import SimpleNamespace
 
     from pdserve.services.gateway.channel_pool import ChannelPool
-    from pdserve.shared.proto import engine_pb2
+    from pdserve.services.proto import engine_pb2
 
     class FakeCall:
         def __init__(self) -> None:

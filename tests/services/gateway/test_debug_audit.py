@@ -8,7 +8,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 from tests.services.gateway.helpers import assert_error_object
 from tests.services.helpers import free_port
 

@@ -15,7 +15,7 @@ from pdserve.services.gateway import health as health_module
 from pdserve.services.gateway.channel_pool import ChannelPool
 from pdserve.services.gateway.health import HealthTracker, InstanceStatus
 from pdserve.services.gateway.placement import Placer
-from pdserve.shared.proto import engine_pb2, engine_pb2_grpc
+from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 
 
 @dataclass

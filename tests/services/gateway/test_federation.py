@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.services.common.metrics import EngineStats, ServiceMetrics
+from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 from pdserve.services.gateway.federation import MetricsFederation
 from pdserve.services.gateway.metrics import GatewayMetrics
-from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 from tests.services.helpers import RedisServer, free_port
 
 pytestmark = [

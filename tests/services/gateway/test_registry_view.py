@@ -13,8 +13,8 @@ import uuid
 import pytest
 import pytest_asyncio
 
+from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 from pdserve.services.gateway.registry_view import RegistryView
-from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 from tests.services.helpers import RedisServer
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 from tests.services.gateway.conftest import SERVED_MODEL
 from tests.services.gateway.fake_engine import MODEL, start_fake_cluster
 from tests.services.gateway.helpers import COMPLETIONS, completion_body

@@ -19,8 +19,8 @@ import pytest_asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.gateway.channel_pool import ChannelPool
-from pdserve.shared.proto import engine_pb2 as pb
-from pdserve.shared.proto import engine_pb2_grpc
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from tests.services.helpers import (
     RPC_TIMEOUT,
     channel,

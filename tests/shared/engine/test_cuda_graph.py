@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pdserve.shared.engine.attn_metadata import build_attn_metadata
+from pdserve.kernels.attn_metadata import build_attn_metadata
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner, default_capture_sizes
 from pdserve.shared.engine_args import EngineArgs
 from pdserve.shared.llm import LLM

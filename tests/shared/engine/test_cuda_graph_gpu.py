@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.kernels.attn_metadata import build_attn_metadata
 from pdserve.shared.engine.attention import PagedAttention
-from pdserve.shared.engine.attn_metadata import build_attn_metadata
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
 from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pdserve.kernels import torch_paged
+from pdserve.kernels.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.kernels.triton_common import check_paged_attention_inputs
 from pdserve.kernels.triton_store import check_store_kv_cache_inputs
-from pdserve.shared.engine.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.shared.engine.sampler import (
     _compute_logprobs,
     _truncate,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.kv_transfer.codec import (
     DEFAULT_MAX_CHUNK_BYTES,
     KVChunkData,
@@ -16,7 +17,6 @@ from pdserve.shared.kv_transfer.codec import (
     plan_chunks,
     write_kv_blocks,
 )
-from pdserve.shared.proto import engine_pb2 as pb
 
 # (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
 SHAPES = [(1, 8, 4, 1, 8), (3, 20, 16, 3, 64), (4, 12, 8, 2, 32), (2, 6, 32, 4, 16)]

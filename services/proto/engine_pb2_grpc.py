@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.shared.proto import engine_pb2 as pdserve_dot_shared_dot_proto_dot_engine__pb2
+from pdserve.services.proto import engine_pb2 as pdserve_dot_services_dot_proto_dot_engine__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/shared/proto/engine_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/services/proto/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,53 +36,53 @@ class PrefillServiceStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Prefill',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.FetchKV = channel.unary_stream(
                 '/pdserve.v1.PrefillService/FetchKV',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.KVChunk.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.KVChunk.FromString,
                 _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdserve.v1.PrefillService/ReleaseKV',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Abort',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/pdserve.v1.PrefillService/GetState',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.EngineState.FromString,
                 _registered_method=True)
         self.WatchState = channel.unary_stream(
                 '/pdserve.v1.PrefillService/WatchState',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.StateFrame.FromString,
                 _registered_method=True)
         self.Pool = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Pool',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PoolResponse.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/pdserve.v1.PrefillService/LoadLoRAAdapter',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/pdserve.v1.PrefillService/UnloadLoRAAdapter',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.ListLoRAAdapters = channel.unary_unary(
                 '/pdserve.v1.PrefillService/ListLoRAAdapters',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
                 _registered_method=True)
 
 
@@ -159,53 +159,53 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PrefillResponse.SerializeToString,
             ),
             'FetchKV': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchKV,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.FetchKVRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.KVChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.FetchKVRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.KVChunk.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
             ),
             'WatchState': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchState,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
             ),
             'Pool': grpc.unary_unary_rpc_method_handler(
                     servicer.Pool,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PoolRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PoolResponse.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
             'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLoRAAdapters,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,8 +233,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -260,8 +260,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/FetchKV',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.KVChunk.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -287,8 +287,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/ReleaseKV',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -314,8 +314,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Abort',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -341,8 +341,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/GetState',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.EngineState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -368,8 +368,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/WatchState',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.StateFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -395,8 +395,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Pool',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.PoolResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.PoolRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.PoolResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -422,8 +422,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/LoadLoRAAdapter',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -449,8 +449,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/UnloadLoRAAdapter',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -476,8 +476,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/ListLoRAAdapters',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -500,43 +500,43 @@ class DecodeServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.DecodeService/Generate',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.TokenChunk.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.TokenChunk.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeService/Abort',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.SetPaused = channel.unary_unary(
                 '/pdserve.v1.DecodeService/SetPaused',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
                 _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/pdserve.v1.DecodeService/GetState',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.EngineState.FromString,
                 _registered_method=True)
         self.WatchState = channel.unary_stream(
                 '/pdserve.v1.DecodeService/WatchState',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.StateFrame.FromString,
                 _registered_method=True)
         self.LoadLoRAAdapter = channel.unary_unary(
                 '/pdserve.v1.DecodeService/LoadLoRAAdapter',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
                 _registered_method=True)
         self.UnloadLoRAAdapter = channel.unary_unary(
                 '/pdserve.v1.DecodeService/UnloadLoRAAdapter',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
                 _registered_method=True)
         self.ListLoRAAdapters = channel.unary_unary(
                 '/pdserve.v1.DecodeService/ListLoRAAdapters',
-                request_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
-                response_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
                 _registered_method=True)
 
 
@@ -599,43 +599,43 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.TokenChunk.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.TokenChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.AbortResponse.SerializeToString,
             ),
             'SetPaused': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPaused,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.SetPausedRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.SetPausedResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.GetStateRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.EngineState.SerializeToString,
             ),
             'WatchState': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchState,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.WatchStateRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.StateFrame.SerializeToString,
             ),
             'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadLoRAAdapter,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
             'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.UnloadLoRAAdapter,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.SerializeToString,
             ),
             'ListLoRAAdapters': grpc.unary_unary_rpc_method_handler(
                     servicer.ListLoRAAdapters,
-                    request_deserializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
-                    response_serializer=pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -663,8 +663,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Generate',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.TokenChunk.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -690,8 +690,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Abort',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.AbortResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.AbortRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -717,8 +717,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/SetPaused',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.SetPausedRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.SetPausedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -744,8 +744,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/GetState',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.EngineState.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.GetStateRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.EngineState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -771,8 +771,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/WatchState',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.StateFrame.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.WatchStateRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.StateFrame.FromString,
             options,
             channel_credentials,
             insecure,
@@ -798,8 +798,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/LoadLoRAAdapter',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -825,8 +825,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/UnloadLoRAAdapter',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.UnloadLoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -852,8 +852,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/ListLoRAAdapters',
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
-            pdserve_dot_shared_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.ListLoRAAdaptersRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.LoRAAdapterList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,8 +10,8 @@ import uuid
 import pytest_asyncio
 
 from pdserve.services.common.monitor import net_changes
+from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 from pdserve.shared.kv_cache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
-from pdserve.shared.prefix_index import InstanceInfo, PrefixIndex
 from tests.services.helpers import free_port
 
 H = [bytes([i]) * 16 for i in range(8)]
@@ -87,7 +87,7 @@ async def test_longest_prefix_counts_leading_blocks_of_live_instances(index, mak
 async def test_unreachable_redis_answers_at_once_and_logs_once(caplog):
     idx = PrefixIndex(f"redis://127.0.0.1:{free_port()}/0", "m", socket_timeout=0.5,
                       max_backoff=0.2)
-    caplog.set_level(logging.INFO, logger="pdserve.shared.prefix_index")
+    caplog.set_level(logging.INFO, logger="pdserve.services.common.prefix_index")
     for _ in range(5):
         assert await idx.register(_info("p1")) is None
         assert await idx.publish("p1", H[:1], []) is False

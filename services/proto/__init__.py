@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for services/proto/engine.proto (see `make proto`)."""

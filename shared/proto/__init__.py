@@ -1,1 +1,0 @@
-"""Generated gRPC stubs for shared/proto/engine.proto (see `make proto`)."""
