@@ -89,7 +89,8 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
     registry = registry if registry is not None else owned_registry
     placer = Placer(config.prefill_urls, config.decode_urls, registry,
                     config.local_prefill_threshold,
-                    max_prefill_queue_size=config.max_prefill_queue_size)
+                    max_prefill_queue_size=config.max_prefill_queue_size,
+                    in_flight=channels.in_flight)
     engine = EngineClient(config, channels, placer)
     lora = engine.lora = LoRAView(channels, placer, config.served_model_name)
     metrics = GatewayMetrics()

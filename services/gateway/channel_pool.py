@@ -20,7 +20,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter
 from typing import NamedTuple
 
 import grpc
@@ -28,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.services.common.auth import call_metadata, internal_channel
 from pdserve.services.gateway.control_calls import ControlCallStats
+from pdserve.services.gateway.in_flight import InFlight
 from pdserve.services.proto import engine_pb2, engine_pb2_grpc
 from pdserve.shared import config as shared_config
 
@@ -47,7 +47,8 @@ class ChannelPool:
     can let them finish."""
 
     def __init__(self, request_timeout: float = 600.0, rpc_timeout: float = 5.0,
-                 internal_token: str | None = None, keepalive_s: float | None = None) -> None:
+                 internal_token: str | None = None, keepalive_s: float | None = None,
+                 in_flight: InFlight | None = None) -> None:
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
         self.keepalive_s = shared_config.GRPC_KEEPALIVE_S if keepalive_s is None else keepalive_s
@@ -56,8 +57,10 @@ class ChannelPool:
         """(request_id=None) -> the metadata of one call."""
         self._channels: dict[str, _Channel] = {}
         self._background: set[asyncio.Task] = set()
-        self._active: Counter[str] = Counter()
-        """Prefill and Generate calls in flight per address."""
+        self.in_flight = InFlight() if in_flight is None else in_flight
+        """Calls in flight per address, the one count placement reads too (Prefill, Pool and
+        Generate calls; services/gateway/in_flight.py). A channel stays open while its address
+        has any."""
         self.control_calls = ControlCallStats()
         """Abort / SetPaused outcomes and latencies (a Prometheus collector)."""
         self._decode_calls: dict[str, dict[str, str]] = {}
@@ -78,37 +81,31 @@ class ChannelPool:
 
     async def prefill(self, address: str, request: engine_pb2.PrefillRequest,
                       request_id: str) -> engine_pb2.PrefillResponse:
-        self._active[address] += 1
-        try:
+        with self.in_flight.hold(address):
             return await self._get(address).prefill.Prefill(
                 request, timeout=self.request_timeout, metadata=self._metadata(request_id))
-        finally:
-            self._call_done(address)
 
     async def pool(self, address: str, request: engine_pb2.PoolRequest,
                    request_id: str) -> engine_pb2.PoolResponse:
         """A pooling model's request (prefill only) on a prefill instance."""
-        self._active[address] += 1
-        try:
+        with self.in_flight.hold(address):
             return await self._get(address).prefill.Pool(
                 request, timeout=self.request_timeout, metadata=self._metadata(request_id))
-        finally:
-            self._call_done(address)
 
     def generate(self, address: str, request: engine_pb2.DecodeRequest, request_id: str,
                  engine_prefix: str | None = None) -> grpc.aio.UnaryStreamCall:
         """The decode stream; iterate it, `cancel()` it to stop. `engine_prefix`: the HTTP
         request's engine prefix, under which `set_paused` finds the call (None: the engine
-        request id itself)."""
+        request id itself). Counted in `in_flight` until the call is done."""
         call = self._get(address).decode.Generate(
             request, timeout=self.request_timeout, metadata=self._metadata(request_id))
-        self._active[address] += 1
+        self.in_flight.begin(address)
         rid = request.request_id
         prefix = engine_prefix or rid
         self._decode_calls.setdefault(prefix, {})[rid] = address
 
         def done(_) -> None:
-            self._call_done(address)
+            self.in_flight.end(address)
             calls = self._decode_calls.get(prefix)
             if calls is not None and calls.get(rid) == address:
                 del calls[rid]
@@ -163,15 +160,10 @@ class ChannelPool:
             engine_pb2.ListLoRAAdaptersRequest(), timeout=self.rpc_timeout,
             metadata=self._metadata())
 
-    def _call_done(self, address: str) -> None:
-        self._active[address] -= 1
-        if self._active[address] <= 0:
-            del self._active[address]
-
     def forget(self, address: str) -> bool:
         """Close the channel of an instance that is gone; False (nothing closed) while a
         Prefill or Generate call still runs on it. A later call opens a new one."""
-        if self._active[address] > 0:
+        if self.in_flight[address] > 0:
             return False
         ch = self._channels.pop(address, None)
         if ch is not None:

@@ -34,7 +34,7 @@ from pdserve.services.gateway.health import (
     discover_engine,
 )
 from pdserve.services.gateway.lora import LoRAView
-from pdserve.services.gateway.placement import Placer
+from pdserve.services.gateway.placement import Placer, PromptHashes
 from pdserve.services.gateway.prefill_decode import AttemptFailed, EngineOutput, prefill_then_decode
 from pdserve.services.proto import engine_pb2
 from pdserve.shared.lora.request import LoRARequest
@@ -129,12 +129,15 @@ class EngineClient:
     async def generate(self, engine_request_id: str, prompt_token_ids: list[int],
                        params: engine_pb2.SamplingParams, *, cache_salt: str | None,
                        request_id: str, lora_request: LoRARequest | None = None,
-                       engine_prefix: str | None = None) -> AsyncIterator[EngineOutput]:
+                       engine_prefix: str | None = None,
+                       prompt_hashes: PromptHashes | None = None
+                       ) -> AsyncIterator[EngineOutput]:
         """The engine's outputs for one request, ending with the one that has a finish; only
         the first output carries num_cached_tokens. `lora_request`: the adapter (None: the
         base model); placed on the instances that have it loaded. `engine_prefix`: the HTTP
         request's engine prefix, under which its decode calls are paused (None: the engine
-        request id).
+        request id). `prompt_hashes`: the prompt's block hashes, shared by the HTTP request's
+        choices (None: hashed here, once for every retry).
 
         Raises:
             GatewayError: 503 when no decode instance is usable or the retry budget is spent;
@@ -151,6 +154,7 @@ class EngineClient:
         with_adapter = None if lora_request is None or self.lora is None else \
             await self.lora.addresses_with(lora_request)
         cached_reported = False
+        prompt_hashes = prompt_hashes or PromptHashes(prompt_token_ids)
         while True:
             if output_token_ids and at_length_limit(params, info.max_model_len,
                                                     len(prompt_token_ids), len(output_token_ids)):
@@ -160,7 +164,7 @@ class EngineClient:
                 prompt_token_ids, model_name=info.model_name, block_size=info.block_size,
                 cache_salt=cache_salt, avoid=avoid, local_prefill=bool(output_token_ids),
                 quantization=info.quantization, lora_request=lora_request,
-                prefer=with_adapter)
+                prefer=with_adapter, prompt_hashes=prompt_hashes)
             if placement is None:
                 if num_retries:
                     stats.exhausted += 1
@@ -185,7 +189,7 @@ class EngineClient:
                 lora_request=None if lora_request is None else adapter_to_proto(lora_request))
             try:
                 async with aclosing(prefill_then_decode(
-                        self.channels, self.placer, placement, decode_req, request_id,
+                        self.channels, placement, decode_req, request_id,
                         engine_prefix or engine_request_id)) as outputs:
                     async for out in outputs:
                         if cached_reported:

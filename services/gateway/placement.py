@@ -38,10 +38,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
+from pdserve.services.gateway.in_flight import InFlight
 from pdserve.shared.kv_cache.prefix_hash import ExtraKey, block_extra_keys, hash_request_tokens
 from pdserve.shared.lora.request import LoRARequest
 
@@ -88,10 +88,33 @@ class Placement(NamedTuple):
     decode_address: str
 
 
+class PromptHashes:
+    """One prompt's block hashes for placement, computed once per HTTP request: every choice
+    (n > 1) and every retry reads the same list (docs/lifecycle.md, "Hashing")."""
+
+    __slots__ = ("token_ids", "_key", "_hashes")
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._key: tuple | None = None
+        self._hashes: list[bytes] = []
+
+    def get(self, block_size: int, extra_keys: tuple[ExtraKey, ...]) -> list[bytes]:
+        """The chained hashes of the prompt's full blocks (len(token_ids) // block_size of
+        them, 32 bytes each) under the first block's `extra_keys`, as the engines hash them
+        (shared/kv_cache/prefix_hash.py); computed on the first call for that key."""
+        key = (block_size, extra_keys)
+        if key != self._key:
+            self._hashes = hash_request_tokens(self.token_ids, block_size, extra_keys)
+            self._key = key
+        return self._hashes
+
+
 class Placer:
     def __init__(self, prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (),
                  registry: InstanceRegistry | None = None, local_prefill_threshold: int = 0,
-                 health: HealthView | None = None, max_prefill_queue_size: int = 0):
+                 health: HealthView | None = None, max_prefill_queue_size: int = 0,
+                 in_flight: InFlight | None = None):
         self.prefill_urls = tuple(prefill_urls)
         self.health = health
         self.decode_urls = tuple(decode_urls)
@@ -100,21 +123,11 @@ class Placer:
         self.max_prefill_queue_size = max_prefill_queue_size
         self.num_local_by_load = 0
         """Prompts prefilled on their decode instance because the prefill queue was full."""
-        self._in_flight: Counter[str] = Counter()
+        self.in_flight = InFlight() if in_flight is None else in_flight
+        """Engine calls this gateway has in flight per address (shared with the channel
+        pool: services/gateway/in_flight.py)."""
         self._last_live: dict[str, list[Any]] = {}
         self._registry_warned = False
-
-    def begin(self, address: str) -> None:
-        self._in_flight[address] += 1
-
-    def num_in_flight(self, address: str) -> int:
-        """Engine requests this gateway has placed on `address` and not yet finished."""
-        return self._in_flight[address]
-
-    def end(self, address: str) -> None:
-        self._in_flight[address] -= 1
-        if self._in_flight[address] <= 0:
-            del self._in_flight[address]
 
     async def _live(self, role: str) -> list[Any]:
         """Live instances of `role` (the RegistryView answers from memory); while the
@@ -145,11 +158,11 @@ class Placer:
         live = await self._live(role)
         if live:
             out = [Candidate(i.address, i.instance_id,
-                             int(i.num_running) + int(i.num_waiting) + self._in_flight[i.address],
+                             int(i.num_running) + int(i.num_waiting) + self.in_flight[i.address],
                              cached.get(i.instance_id, 0)) for i in live]
         else:
             static = self.prefill_urls if role == "prefill" else self.decode_urls
-            out = [Candidate(a, a, self._in_flight[a], 0) for a in static]
+            out = [Candidate(a, a, self.in_flight[a], 0) for a in static]
         return out
 
     def _usable(self, candidates: list[Candidate]) -> list[Candidate]:
@@ -174,13 +187,13 @@ class Placer:
         return min(candidates, default=None, key=lambda c: (
             -c.num_cached_blocks if c.num_cached_blocks >= min_cached_blocks else 0, c.load))
 
-    async def _cached_blocks(self, prompt_token_ids: Sequence[int], model_name: str,
+    async def _cached_blocks(self, prompt: PromptHashes, model_name: str,
                              cache_salt: str | None, block_size: int,
                              quantization: str = "none",
                              lora_request: LoRARequest | None = None) -> dict[str, int]:
-        if self.registry is None or len(prompt_token_ids) < block_size:
+        if self.registry is None or len(prompt.token_ids) < block_size:
             return {}
-        hashes = hash_request_tokens(prompt_token_ids, block_size, request_extra_keys(
+        hashes = prompt.get(block_size, request_extra_keys(
             model_name, cache_salt, quantization, lora_request))
         try:
             return dict(await self.registry.longest_prefix(hashes))
@@ -192,13 +205,16 @@ class Placer:
                     block_size: int, cache_salt: str | None = None,
                     avoid: Collection[str] = (), local_prefill: bool = False,
                     quantization: str = "none", lora_request: LoRARequest | None = None,
-                    prefer: Collection[str] | None = None) -> Placement | None:
+                    prefer: Collection[str] | None = None,
+                    prompt_hashes: PromptHashes | None = None) -> Placement | None:
         """Pick the instances for one engine request; None when no decode instance exists
         (or none is usable). `local_prefill`: always let the decode instance prefill.
         `lora_request`: the request's adapter (its blocks hash under it); `prefer`: the
         instances that have it loaded: the decode is one of them if any is usable, and so is
-        the prefill, else the decode prefills itself."""
-        cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size,
+        the prefill, else the decode prefills itself. `prompt_hashes`: the prompt's hashes
+        shared by every choice and retry of its HTTP request (None: hashed here)."""
+        cached = await self._cached_blocks(prompt_hashes or PromptHashes(prompt_token_ids),
+                                           model_name, cache_salt, block_size,
                                            quantization, lora_request)
         candidates = _preferred(await self._decode_candidates(cached, avoid), prefer)
         min_cached_blocks = max(1, math.ceil(
@@ -217,18 +233,19 @@ class Placer:
         if prefill is None or uncached < self.local_prefill_threshold:
             return Placement(None, decode.address)
         if self.max_prefill_queue_size and \
-                self._in_flight[prefill.address] >= self.max_prefill_queue_size:
+                self.in_flight[prefill.address] >= self.max_prefill_queue_size:
             self.num_local_by_load += 1
             return Placement(None, decode.address)
         return Placement(prefill.address, decode.address)
 
     async def place_prefill(self, prompt_token_ids: Sequence[int], *, model_name: str,
                             block_size: int, cache_salt: str | None = None,
-                            avoid: Collection[str] = (), quantization: str = "none"
-                            ) -> str | None:
+                            avoid: Collection[str] = (), quantization: str = "none",
+                            prompt_hashes: PromptHashes | None = None) -> str | None:
         """The prefill instance for a prefill-only request (a pooling model's): the most
         cached blocks, then least loaded, as `place`; None when none is usable."""
-        cached = await self._cached_blocks(prompt_token_ids, model_name, cache_salt, block_size,
+        cached = await self._cached_blocks(prompt_hashes or PromptHashes(prompt_token_ids),
+                                           model_name, cache_salt, block_size,
                                            quantization)
         everything = await self._candidates("prefill", cached)
         usable = self._usable(everything)

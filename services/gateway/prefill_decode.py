@@ -19,7 +19,7 @@ import grpc
 
 from pdserve.services.gateway.channel_pool import ChannelPool
 from pdserve.services.gateway.errors import GatewayError, from_grpc_error, model_not_found
-from pdserve.services.gateway.placement import Placement, Placer
+from pdserve.services.gateway.placement import Placement
 from pdserve.services.proto import engine_pb2
 
 _NOT_FINISHED = engine_pb2.FINISH_REASON_UNSPECIFIED
@@ -80,7 +80,7 @@ class EngineOutput(NamedTuple):
 
 
 async def prefill_then_decode(
-        channels: ChannelPool, placer: Placer, placement: Placement,
+        channels: ChannelPool, placement: Placement,
         decode_req: engine_pb2.DecodeRequest, request_id: str,
         engine_prefix: str | None = None) -> AsyncIterator[EngineOutput]:
     """The outputs after `decode_req.output_token_ids` (tokens already handed out), from
@@ -96,12 +96,13 @@ async def prefill_then_decode(
     failed: str | None = None
     call = None
     finished = False
-    # NOTE: decode counts as loaded from placement on (requests placed meanwhile spread)
-    placer.begin(placement.decode_address)
+    # NOTE: the decode counts as loaded from placement on (requests placed meanwhile spread);
+    # once its Generate call starts, the call counts itself (ChannelPool.generate)
+    channels.in_flight.begin(placement.decode_address)
+    placed_only = True
     try:
         if (address := placement.prefill_address) is not None:
             used.append((address, "prefill"))
-            placer.begin(address)
             try:
                 resp = await channels.prefill(address, engine_pb2.PrefillRequest(
                     request_id=engine_request_id, prompt_token_ids=decode_req.prompt_token_ids,
@@ -114,8 +115,6 @@ async def prefill_then_decode(
                     raise _adapter_gone(e, decode_req) or from_grpc_error(e, "Prefill") from None
                 failed = address
                 raise AttemptFailed(address, "prefill", e) from None
-            finally:
-                placer.end(address)
             finished = resp.finish_reason != _NOT_FINISHED
             yield EngineOutput([resp.first_token_id],
                                [resp.first_logprobs] if resp.HasField("first_logprobs") else [],
@@ -129,6 +128,8 @@ async def prefill_then_decode(
         used.append((address, "decode"))
         try:
             call = channels.generate(address, decode_req, request_id, engine_prefix)
+            channels.in_flight.end(address)
+            placed_only = False
             is_first = placement.prefill_address is None
             async for chunk in call:
                 finished = chunk.finish_reason != _NOT_FINISHED
@@ -153,7 +154,8 @@ async def prefill_then_decode(
         raise AttemptFailed(address, "decode", "the stream ended without a finish reason")
     finally:
         # NOTE: no awaits here: this also runs when the task is being cancelled.
-        placer.end(placement.decode_address)
+        if placed_only:
+            channels.in_flight.end(placement.decode_address)
         if call is not None and not call.done():
             call.cancel()
         if not finished:

@@ -27,6 +27,7 @@ from pdserve.services.gateway.generation_config import load_generation_defaults
 from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.output_processor import ChoiceDelta, ChoiceProcessor
+from pdserve.services.gateway.placement import PromptHashes
 from pdserve.services.gateway.prefill_decode import EngineOutput
 from pdserve.services.gateway.sampling import to_engine_params
 from pdserve.services.gateway.shutdown import ServerShutdown, ShutdownNotice
@@ -265,6 +266,7 @@ class OpenAIServing:
                                       for _ in range(sp.n)])
         processors, streams = [], []
         for p, (prompt, sp) in enumerate(zip(prompts, sampling, strict=True)):
+            prompt_hashes = PromptHashes(prompt.token_ids)  # once for its n choices
             for i in range(sp.n):
                 index = p * sp.n + i
                 proc = ChoiceProcessor(
@@ -274,7 +276,7 @@ class OpenAIServing:
                 streams.append(_run_choice(grant, index, proc, self.engine.generate(
                     f"{engine_prefix}-{index}", prompt.token_ids, to_engine_params(sp, i),
                     cache_salt=cache_salt, request_id=request_id, lora_request=lora_request,
-                    engine_prefix=engine_prefix)))
+                    engine_prefix=engine_prefix, prompt_hashes=prompt_hashes)))
         for sp in sampling:
             self.metrics.request_params_n.observe(sp.n)
             for _ in range(sp.n):

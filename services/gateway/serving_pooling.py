@@ -34,6 +34,7 @@ from pdserve.services.gateway.errors import (
 )
 from pdserve.services.gateway.failover import EngineClient
 from pdserve.services.gateway.metrics import GatewayMetrics
+from pdserve.services.gateway.placement import PromptHashes
 from pdserve.services.gateway.prefill_decode import INSTANCE_FAILED
 from pdserve.services.gateway.protocol_pooling import (
     EmbeddingRequest,
@@ -237,11 +238,13 @@ class PoolingServing:
         engine, info = self.engine, await self.engine.engine_info()
         engine.health.ensure_started()
         avoid: list[str] = []
+        prompt_hashes = PromptHashes(token_ids)  # once for every retry
         failure = ""
         for attempt in range(self.config.max_request_retries + 1):
             address = await engine.placer.place_prefill(
                 token_ids, model_name=info.model_name, block_size=info.block_size,
-                cache_salt=cache_salt, avoid=avoid, quantization=info.quantization)
+                cache_salt=cache_salt, avoid=avoid, quantization=info.quantization,
+                prompt_hashes=prompt_hashes)
             if address is None:
                 raise no_backend("no prefill instance is configured or live" + failure)
             message = engine_pb2.PoolRequest(
@@ -250,7 +253,6 @@ class PoolingServing:
                 cache_salt=cache_salt or "")
             if normalize is not None:
                 message.normalize = normalize
-            engine.placer.begin(address)
             try:
                 return await engine.channels.pool(address, message, request_id)
             except grpc.aio.AioRpcError as e:
@@ -259,7 +261,5 @@ class PoolingServing:
                 engine.health.mark_failed(address)
                 avoid.append(address)
                 failure = f" (prefill {address}: {e.code().name}: {e.details()})"
-            finally:
-                engine.placer.end(address)
         raise GatewayError(f"Service unavailable: {failure.strip(' ()')} (retried "
                            f"{self.config.max_request_retries} times).", 503)

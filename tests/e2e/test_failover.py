@@ -226,7 +226,7 @@ async def test_frozen_decode_streams_fail_over(gateway, cluster):
     await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results) or run.done(),
                  "every stream to get going")
     assert not run.done()
-    victim = max(cluster.decodes, key=lambda d: engine.placer.num_in_flight(d.address))
+    victim = max(cluster.decodes, key=lambda d: engine.placer.in_flight[d.address])
     on_victim = engine.placer.num_in_flight(victim.address)
     victim.freeze()
     stopped_at = time.monotonic()

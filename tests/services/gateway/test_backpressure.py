@@ -210,8 +210,9 @@ async def test_decode_calls_are_indexed_by_the_prefix_their_caller_gives():
         pool.generate(address, engine_pb2.DecodeRequest(request_id=rid), "http-1", prefix)
     assert pool._decode_calls == {"c1-ab12": {"c1-ab12-0": "d1:1", "c1-ab12-1-retry2": "d2:1"},
                                   "other-7": {"other-7": "d1:1"}}
+    assert (pool.in_flight["d1:1"], pool.in_flight["d2:1"]) == (2, 1)
     calls[0].finish()
     assert pool._decode_calls["c1-ab12"] == {"c1-ab12-1-retry2": "d2:1"}
     calls[1].finish()
     calls[2].finish()
-    assert pool._decode_calls == {} and not pool._active
+    assert pool._decode_calls == {} and pool.in_flight["d1:1"] == pool.in_flight["d2:1"] == 0

@@ -57,11 +57,11 @@ INSTANCES = [Info("p0", "prefill", "p0:1"), Info("p1", "prefill", "p1:1"),
 async def test_static_lists_least_in_flight():
     placer = Placer(["p0:1", "p1:1"], ["d0:1", "d1:1"])
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p0:1", "d0:1")
-    placer.begin("p0:1")
-    placer.begin("d0:1")
+    placer.in_flight.begin("p0:1")
+    placer.in_flight.begin("d0:1")
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p1:1", "d1:1")
-    placer.end("p0:1")
-    placer.end("d0:1")
+    placer.in_flight.end("p0:1")
+    placer.in_flight.end("d0:1")
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p0:1", "d0:1")
 
 
@@ -109,20 +109,20 @@ async def test_full_prefill_queue_sends_the_prompt_to_its_decode_instance():
     placer = Placer(["p0:1", "p1:1"], ["d0:1"], max_prefill_queue_size=2)
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p0:1", "d0:1")
     for _ in range(2):
-        placer.begin("p0:1")
+        placer.in_flight.begin("p0:1")
     # p0 has 2 in flight: p1 (least loaded) still has room
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p1:1", "d0:1")
-    placer.begin("p1:1")
-    placer.begin("p1:1")
+    placer.in_flight.begin("p1:1")
+    placer.in_flight.begin("p1:1")
     # every prefill queue is full: the decode instance prefills, and it is counted
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement(None, "d0:1")
     assert placer.num_local_by_load == 1
-    placer.end("p1:1")
+    placer.in_flight.end("p1:1")
     assert await placer.place(PROMPT, model_name="m", block_size=BLOCK) == Placement("p1:1", "d0:1")
     # 0: no bound
     unbounded = Placer(["p0:1"], ["d0:1"])
     for _ in range(50):
-        unbounded.begin("p0:1")
+        unbounded.in_flight.begin("p0:1")
     assert (await unbounded.place(PROMPT, model_name="m", block_size=BLOCK)).prefill_address
 
 
