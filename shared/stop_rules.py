@@ -2,16 +2,33 @@
 (vllm/v1/core/sched/utils.py): a stop token once min_tokens are out (EOS unless ignore_eos:
 stop_reason None; a stop_token_ids entry: stop_reason that id), a guided request's finished
 grammar, then the caps: max_tokens output tokens, max_model_len tokens in all. `params`: a
-SamplingParams or its proto (max_tokens 0: no cap). Stop strings need the text, which only
-the gateway has: services/gateway/stop_checker.py."""
+`StopParams`, a SamplingParams or its proto (max_tokens None or 0: no cap). Stop strings need
+the text, which only the gateway has: services/gateway/stop_checker.py."""
 
 from __future__ import annotations
 
+from collections.abc import Container
+from typing import Protocol
+
 from pdserve.shared.request import Request, RequestStatus
-from pdserve.shared.sampling_params import SamplingParams
 
 
-def check_stop_token(params: SamplingParams, token_id: int, num_output_tokens: int,
+class StopParams(Protocol):
+    """What the stop rules read of a request's sampling parameters: `SamplingParams` has it,
+    and so has its proto (`engine_pb2.SamplingParams`, max_tokens 0 for no cap), which the
+    gateway's failover checks between attempts."""
+
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def stop_token_ids(self) -> Container[int]: ...
+    @property
+    def max_tokens(self) -> int | None: ...
+
+
+def check_stop_token(params: StopParams, token_id: int, num_output_tokens: int,
                      eos_token_id: int | None) -> tuple[bool, int | None]:
     """(whether `token_id`, the `num_output_tokens`-th output token, stops the request,
     stop_reason). `eos_token_id` None: EOS unknown (the gateway), stop_token_ids only."""
@@ -24,14 +41,14 @@ def check_stop_token(params: SamplingParams, token_id: int, num_output_tokens: i
     return False, None
 
 
-def num_tokens_left(params: SamplingParams, max_model_len: int, num_prompt_tokens: int,
+def num_tokens_left(params: StopParams, max_model_len: int, num_prompt_tokens: int,
                     num_output_tokens: int) -> int:
     """Output tokens the request may still produce before a cap; <= 0: capped."""
     left = max_model_len - num_prompt_tokens - num_output_tokens
     return min(left, params.max_tokens - num_output_tokens) if params.max_tokens else left
 
 
-def at_length_limit(params: SamplingParams, max_model_len: int, num_prompt_tokens: int,
+def at_length_limit(params: StopParams, max_model_len: int, num_prompt_tokens: int,
                     num_output_tokens: int) -> bool:
     """Whether a cap is reached: the engine would refuse to go on."""
     return num_tokens_left(params, max_model_len, num_prompt_tokens, num_output_tokens) <= 0
