@@ -176,9 +176,12 @@ _REDIS_ROW = re.compile(r"^\s*redis\s+redis://[^\s:]+:(\d+)")
 class Stack:
     """`pdserve up` as a child process (its own session); stop() drains it with SIGTERM."""
 
-    def __init__(self, flags: list[str], port: int, logfile: Path) -> None:
-        exe = Path(sys.executable).with_name("pdserve")
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pdserve.services.cli"]
+    def __init__(self, flags: list[str], port: int, logfile: Path,
+                 python: str = sys.executable) -> None:
+        """`python`: the interpreter whose pdserve runs (another checkout's venv: A/B of two
+        commits, benchmarks/stack_ab.py --a-checkout)."""
+        exe = Path(python).with_name("pdserve")
+        cmd = [str(exe)] if exe.exists() else [python, "-m", "pdserve.services.cli"]
         self.cmd = [*cmd, "up", "--port", str(port), *flags]
         self.logfile = logfile
         self.port = port
