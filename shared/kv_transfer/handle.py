@@ -1,4 +1,4 @@
-"""KVHandle: where a prefilled request's pinned KV blocks live and how to read them."""
+"""KVHandle: where a prefilled request's held KV blocks live and how to read them."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ from pdserve.shared.kv_transfer.codec import KVLayout
 
 
 class KVHandle(NamedTuple):
-    """The domain form of the proto `KVTransferParams` (vLLM's kv_transfer_params)."""
+    """The domain form of the proto `KVTransferParams`: what a decode instance needs to fetch
+    and verify a prefill's KV, and nothing else (the prefill finds the blocks by request id;
+    FetchKV names them by position, 0 .. num_blocks - 1)."""
 
-    prefill_instance_id: str
     prefill_address: str
     """host:port of the prefill instance's gRPC server (FetchKV, ReleaseKV)."""
-    block_ids: list[int]
-    """The request's blocks on the prefill instance, in logical order: ceil(num_tokens /
-    block_size) of them."""
     block_hashes: list[bytes]
     """One per full block (num_tokens // block_size), chained, as the prefix cache has them."""
     num_tokens: int
@@ -31,3 +29,8 @@ class KVHandle(NamedTuple):
     refuses KV of another adapter than its request's."""
     lora_int_id: int = 0
     """That adapter's id (0: the base model)."""
+
+    @property
+    def num_blocks(self) -> int:
+        """ceil(num_tokens / block_size): the blocks held for the request, full or not."""
+        return -(-self.num_tokens // self.layout.block_size)
