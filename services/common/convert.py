@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.kv_transfer.codec import KVLayout
-from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.kv_transfer.params import KVHandle
 from pdserve.shared.request import FinishReason, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.structured_output.params import StructuredOutputsParams

@@ -149,8 +149,7 @@ class KVFetcher:
         return True
 
     async def release(self, request_id: str, address: str) -> None:
-        """ReleaseKV on the prefill instance at `address`; failures are logged (its TTL unpins
-        anyway)."""
+        """ReleaseKV at `address`; failures are logged (the prefill's TTL unpins anyway)."""
         try:
             await self._stub(address).ReleaseKV(
                 pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout,

@@ -41,8 +41,7 @@ from pdserve.services.common.worker import EngineWorker
 from pdserve.services.decode.kv_fetcher import KVFetcher
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from pdserve.shared.kv_transfer.handle import KVHandle
-from pdserve.shared.kv_transfer.params import RemotePrefill
+from pdserve.shared.kv_transfer.params import KVHandle, RemotePrefill
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams

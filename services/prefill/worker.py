@@ -30,8 +30,7 @@ from pdserve.services.prefill.pooling import pool
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.engine.trace import now_us
 from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
-from pdserve.shared.kv_transfer.handle import KVHandle
-from pdserve.shared.kv_transfer.params import RemoteDecode
+from pdserve.shared.kv_transfer.params import KVHandle, RemoteDecode
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams

@@ -1,3 +1,2 @@
-"""KV transfer between instances: the typed transfer parameters (params.py, torch-free), the
-KV handle (handle.py), the chunk codec of paged KV blocks (codec.py) and the scheduler's
-connector (connector.py)."""
+"""KV transfer between instances: the typed transfer parameters and KV handle (params.py,
+torch-free), the chunk codec of paged KV blocks (codec.py), the scheduler's connector."""

@@ -14,7 +14,7 @@ from pdserve.services.common.convert import handle_from_proto, handle_to_proto
 from pdserve.services.decode.worker import DecodeWorker
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.kv_transfer.codec import KVLayout
-from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.kv_transfer.params import KVHandle
 from pdserve.shared.request import Request
 from pdserve.shared.sampling_params import SamplingParams
 
