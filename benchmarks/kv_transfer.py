@@ -123,7 +123,7 @@ def make_writer(handle: pb.KVTransferParams):
         write_kv_blocks,
     )
 
-    n = len(handle.block_ids)
+    n = -(-handle.num_tokens // handle.block_size)
     shape = (n + 1, handle.block_size, handle.num_kv_heads, handle.head_dim)
     caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(handle.num_layers)]
     layout = KVLayout.of(caches)
@@ -179,7 +179,7 @@ async def bench_fetch(prefill_port: int, prompt_tokens: int, repeats: int) -> di
 
     def rate(xs):
         return mib / statistics.median(xs)
-    return {"prompt_tokens": prompt_tokens, "blocks": len(handle.block_ids),
+    return {"prompt_tokens": prompt_tokens, "blocks": -(-handle.num_tokens // handle.block_size),
             "mib": round(mib, 1), "chunks": len(sizes),
             "chunk_mib_max": round(max(sizes) / MIB, 2),
             "fetchkv_mib_s": round(rate(fetch_s), 1), "raw_grpc_mib_s": round(rate(raw_s), 1),

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.shared.kv_transfer.params import HeldBlocks, RemoteDecode, RemotePrefill
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.pooling_params import PoolingParams
 from pdserve.shared.sampling_params import SamplingParams
@@ -108,11 +109,11 @@ class Request:
     """Chained hashes of its first full blocks known before it arrives (a KV handle's,
     verified against the tokens): the KV cache manager extends them, never hashes those
     blocks again."""
-    kv_transfer_params: dict[str, Any] | None = None
-    """KV transfer (shared/kv_transfer/connector.py), as vLLM's: set by the service,
-    {"do_remote_decode": True} asks that a prefill's blocks wait for a decode instance; once
-    the request finished, the connector's answer ({"block_ids", "block_hashes"} of the held
-    blocks), or None when its blocks were freed."""
+    kv_transfer_params: RemoteDecode | RemotePrefill | HeldBlocks | None = None
+    """KV transfer (shared/kv_transfer/params.py), as vLLM's: set by the service,
+    `RemoteDecode` asks that a prefill's blocks wait for a decode instance (once finished,
+    `HeldBlocks` when the scheduler holds them, None when they were freed); `RemotePrefill`
+    says a decode's prompt KV arrives from a prefill instance."""
     first_token_time: float | None = None
     """Monotonic time this instance sampled the first output token (None: not yet, or the
     request arrived with it, from a prefill instance: then `arrival_time` is that moment)."""

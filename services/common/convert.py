@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.kv_transfer.codec import KVLayout
-from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.kv_transfer.params import KVHandle
 from pdserve.shared.request import FinishReason, TokenLogprobs
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.structured_output.params import StructuredOutputsParams
@@ -69,8 +69,7 @@ def prompt_logprobs_to_proto(prompt_logprobs: list[TokenLogprobs | None] | None
 
 def handle_to_proto(h: KVHandle) -> pb.KVTransferParams:
     return pb.KVTransferParams(
-        prefill_instance_id=h.prefill_instance_id, prefill_address=h.prefill_address,
-        block_ids=h.block_ids, block_hashes=h.block_hashes, num_tokens=h.num_tokens,
+        prefill_address=h.prefill_address, block_hashes=h.block_hashes, num_tokens=h.num_tokens,
         dtype=h.layout.dtype, num_layers=h.layout.num_layers, block_size=h.layout.block_size,
         num_kv_heads=h.layout.num_kv_heads, head_dim=h.layout.head_dim, model=h.model,
         quantization=h.quantization, lora_name=h.lora_name, lora_int_id=h.lora_int_id)
@@ -78,6 +77,5 @@ def handle_to_proto(h: KVHandle) -> pb.KVTransferParams:
 
 def handle_from_proto(p: pb.KVTransferParams) -> KVHandle:
     layout = KVLayout(p.num_layers, p.block_size, p.num_kv_heads, p.head_dim, p.dtype)
-    return KVHandle(p.prefill_instance_id, p.prefill_address, list(p.block_ids),
-                    list(p.block_hashes), p.num_tokens, layout, p.model,
+    return KVHandle(p.prefill_address, list(p.block_hashes), p.num_tokens, layout, p.model,
                     p.quantization or "none", p.lora_name, p.lora_int_id)

@@ -45,7 +45,6 @@ from pdserve.shared.kv_transfer.codec import (
     TransferTracker,
     write_kv_blocks,
 )
-from pdserve.shared.kv_transfer.handle import KVHandle
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +76,10 @@ class KVFetcher:
             entry = self._stubs[address] = (channel, engine_pb2_grpc.PrefillServiceStub(channel))
         return entry[1]
 
-    async def fetch(self, request_id: str, handle: KVHandle, block_indices: Sequence[int],
+    async def fetch(self, request_id: str, address: str, block_indices: Sequence[int],
                     dst_block_ids: Sequence[int]) -> None:
-        """Write the handle's blocks `block_indices` into our blocks `dst_block_ids`.
+        """Write the blocks `block_indices` (positions in the request's block list) that the
+        prefill instance at `address` holds for `request_id` into our blocks `dst_block_ids`.
 
         Raises:
             ServiceError: NOT_FOUND (no pinned KV: expired, released, aborted) and DATA_LOSS
@@ -87,7 +87,6 @@ class KVFetcher:
                 are; ABORTED, naming the prefill address and its status, for any other
                 FetchKV failure (unreachable, gone mid-stream, deadline, auth, ...).
         """
-        address = handle.prefill_address
         tracker = TransferTracker(self.layout, block_indices)
         dst = dict(zip(block_indices, dst_block_ids))
         start, start_us = time.monotonic(), now_us()
@@ -149,15 +148,15 @@ class KVFetcher:
         logger.info("channel to prefill %s reconnected; fetching again", address)
         return True
 
-    async def release(self, request_id: str, handle: KVHandle) -> None:
-        """ReleaseKV on the prefill instance; failures are logged (its TTL unpins anyway)."""
+    async def release(self, request_id: str, address: str) -> None:
+        """ReleaseKV at `address`; failures are logged (the prefill's TTL unpins anyway)."""
         try:
-            await self._stub(handle.prefill_address).ReleaseKV(
+            await self._stub(address).ReleaseKV(
                 pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout,
                 metadata=call_metadata(self.config.internal_token, request_id))
         except grpc.aio.AioRpcError as e:
-            logger.warning("[%s] ReleaseKV on %s failed: %s %s", request_id,
-                           handle.prefill_address, e.code().name, e.details())
+            logger.warning("[%s] ReleaseKV on %s failed: %s %s", request_id, address,
+                           e.code().name, e.details())
 
     async def close(self) -> None:
         await asyncio.gather(*(ch.close() for ch, _ in self._stubs.values()),

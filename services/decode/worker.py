@@ -3,7 +3,7 @@
     Generate(request, handle)
       │ make_request: EngineCore.validate_request; check_handle (hashes verified, reused)
       ▼
-    engine request, kv_transfer_params={"do_remote_prefill": True, "num_tokens": N}:
+    engine request, kv_transfer_params=RemotePrefill(num_tokens=N):
       │ WAITING_FOR_REMOTE_KVS in the scheduler, which allocates its blocks in its own
       │ admission order (prefix-cache hits + fresh blocks, not cached yet)
       ▼
@@ -41,7 +41,7 @@ from pdserve.services.common.worker import EngineWorker
 from pdserve.services.decode.kv_fetcher import KVFetcher
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.kv_transfer.params import KVHandle, RemotePrefill
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams
@@ -121,9 +121,9 @@ class DecodeWorker(EngineWorker):
         if not 0 < num_tokens < request.num_tokens:
             raise ValueError(f"kv_transfer_params.num_tokens={num_tokens} must be in "
                              f"[1, {request.num_tokens - 1}]")
-        if len(handle.block_ids) != -(-num_tokens // bs):
-            raise ValueError(f"kv_transfer_params.block_ids has {len(handle.block_ids)} blocks, "
-                             f"{num_tokens} tokens need {-(-num_tokens // bs)}")
+        if len(handle.block_hashes) != num_tokens // bs:
+            raise ValueError(f"kv_transfer_params.block_hashes has {len(handle.block_hashes)} "
+                             f"hashes, {num_tokens} tokens fill {num_tokens // bs} blocks")
         # NOTE: longrope: the prefill instance computed a prompt longer than the original
         # length with the long factors (shared/engine/longrope.py), and hashed it so.
         original = self.engine_core.scheduler.longrope_original
@@ -228,7 +228,7 @@ class DecodeWorker(EngineWorker):
         self.kv_connector.expect_recv(
             request.request_id,
             lambda ids, hit: loop.call_soon_threadsafe(_set_result, allocated, (ids, hit)))
-        request.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": handle.num_tokens}
+        request.kv_transfer_params = RemotePrefill(handle.num_tokens)
         transfer = loop.create_task(self._receive(stream, handle, allocated))
 
         def on_done(task: asyncio.Task) -> None:
@@ -252,10 +252,10 @@ class DecodeWorker(EngineWorker):
             block_ids, num_hit_tokens = await allocated
             first_missing = num_hit_tokens // self.block_size
             # NOTE: blocks before a sliding window are the null block here: not fetched.
-            missing = [i for i in range(first_missing, len(handle.block_ids)) if block_ids[i]]
+            missing = [i for i in range(first_missing, handle.num_blocks) if block_ids[i]]
             try:
                 if missing:
-                    await self.fetcher.fetch(request_id, handle, missing,
+                    await self.fetcher.fetch(request_id, handle.prefill_address, missing,
                                              [block_ids[i] for i in missing])
                 ok = True
             finally:
@@ -292,7 +292,7 @@ class DecodeWorker(EngineWorker):
         if stream.handle is None or stream.released:
             return
         stream.released = True
-        self.spawn(self.fetcher.release(stream.request.request_id, stream.handle))
+        self.spawn(self.fetcher.release(stream.request.request_id, stream.handle.prefill_address))
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         aborted = set()

@@ -38,7 +38,7 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
             params = sampling_params_from_proto(request.sampling_params)
             lora = worker.lora.resolve(request.lora_request
                                        if request.HasField("lora_request") else None)
-            out = await worker.prefill(rid, list(request.prompt_token_ids), params,
+            out, handle = await worker.prefill(rid, list(request.prompt_token_ids), params,
                                        request.cache_salt or None, lora)
         except Exception as e:
             await abort_with(context, e, rid, "Prefill")
@@ -49,8 +49,8 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
             finish_reason=FINISH_REASONS[out.finish_reason], stop_reason=out.stop_reason)
         if out.new_logprobs:
             response.first_logprobs.CopyFrom(logprobs_to_proto(out.new_logprobs[0]))
-        if out.kv_transfer_params is not None:
-            response.kv_transfer_params.CopyFrom(handle_to_proto(out.kv_transfer_params))
+        if handle is not None:
+            response.kv_transfer_params.CopyFrom(handle_to_proto(handle))
         response.prompt_logprobs.extend(prompt_logprobs_to_proto(out.prompt_logprobs))
         logger.info("[%s] prefilled %d tokens (%d cached), first token %d%s", rid,
                     len(request.prompt_token_ids), out.num_cached_tokens, first_token_id,

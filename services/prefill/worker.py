@@ -1,7 +1,7 @@
 """PrefillWorker: prefill a prompt, sample its first token, serve its KV to the decode.
 
-    Prefill ──▶ engine request (max_tokens 1, kv_transfer_params do_remote_decode)
-                  │ finished: the scheduler's KV connector holds its blocks ──▶ KVHandle
+    Prefill ──▶ engine request (max_tokens 1, kv_transfer_params=RemoteDecode())
+                  │ finished: the scheduler holds its blocks (HeldBlocks) ──▶ KVHandle
     FetchKV(indices) ──▶ chunks gathered from the held blocks (start_send ... end_send)
     ReleaseKV / Abort / TTL expiry ──▶ connector.close ──▶ the scheduler frees them
 
@@ -30,7 +30,7 @@ from pdserve.services.prefill.pooling import pool
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.engine.trace import now_us
 from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
-from pdserve.shared.kv_transfer.handle import KVHandle
+from pdserve.shared.kv_transfer.params import KVHandle, RemoteDecode
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams
@@ -64,13 +64,14 @@ class PrefillWorker(EngineWorker):
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, cache_salt: str | None,
-                      lora_request: LoRARequest | None = None) -> EngineCoreOutput:
+                      lora_request: LoRARequest | None = None
+                      ) -> tuple[EngineCoreOutput, KVHandle | None]:
         """Compute the prompt's KV (what the prefix cache lacks), sample the first token.
 
         Returns:
-            The engine's output with the first token, the client's finish reason (None
-            when the request goes on in a decode) and, when it goes on, the `KVHandle` of
-            the blocks held for the decode as `kv_transfer_params`.
+            The engine's output with the first token and the client's finish reason (None
+            when the request goes on in a decode); and, when it goes on, the `KVHandle` of
+            the blocks held for the decode (else None).
 
         Raises:
             ValueError: a bad prompt (the engine's message).
@@ -95,7 +96,7 @@ class PrefillWorker(EngineWorker):
                           lora_request=lora_request)
         # A request that cannot go on past its first token asks for no transfer.
         if not at_length_limit(params, self.max_model_len, request.num_prompt_tokens, 1):
-            request.kv_transfer_params = {"do_remote_decode": True}
+            request.kv_transfer_params = RemoteDecode()
         arrival = time.monotonic()
         with self.active(request_id, "is already prefilled or in progress"):
             try:
@@ -113,15 +114,14 @@ class PrefillWorker(EngineWorker):
                 # its blocks (it asked, not at the client's own limit, and hit max_tokens=1).
                 finish = None if held is not None else last.finish_reason
                 handle = None if held is None else KVHandle(
-                    self.identity.instance_id, self.identity.address, held["block_ids"],
-                    held["block_hashes"], request.num_prompt_tokens, self.layout,
-                    self.model_name, self.quantization,
+                    self.identity.address, held.block_hashes, request.num_prompt_tokens,
+                    self.layout, self.model_name, self.quantization,
                     lora_request.lora_name if lora_request else "",
                     lora_request.lora_int_id if lora_request else 0)
                 self.metrics.request_finished(
                     "transferred" if finish is None else finish.value,
                     request.num_prompt_tokens, 1, first_token_time - arrival)
-                return last._replace(finish_reason=finish, kv_transfer_params=handle)
+                return last._replace(finish_reason=finish), handle
             except BaseException:
                 # NOTE: generate() has aborted the engine request (awaited): it is either
                 # gone or finished and held for a transfer nobody will fetch now.

@@ -106,10 +106,8 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("prefill_instance_id", "prefill_address", "block_ids", "block_hashes", "num_tokens", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "model", "quantization", "lora_name", "lora_int_id")
-    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("prefill_address", "block_hashes", "num_tokens", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "model", "quantization", "lora_name", "lora_int_id")
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -121,9 +119,7 @@ class KVTransferParams(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
-    prefill_instance_id: str
     prefill_address: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_tokens: int
     dtype: str
@@ -135,7 +131,7 @@ class KVTransferParams(_message.Message):
     quantization: str
     lora_name: str
     lora_int_id: int
-    def __init__(self, prefill_instance_id: _Optional[str] = ..., prefill_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model: _Optional[str] = ..., quantization: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, prefill_address: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model: _Optional[str] = ..., quantization: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("lora_name", "lora_int_id", "lora_path", "base_model_name")

@@ -42,6 +42,7 @@ from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, n
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.kv_transfer.params import HeldBlocks, RemotePrefill
 from pdserve.shared.lora.admission import LoRAAdmission
 from pdserve.shared.pooling_params import finish_pooling, uses_prefix_hits
 from pdserve.shared.request import Request, RequestStatus
@@ -101,9 +102,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
-        params = request.kv_transfer_params
         request.status = (RequestStatus.WAITING_FOR_REMOTE_KVS
-                          if params and params.get("do_remote_prefill")
+                          if isinstance(request.kv_transfer_params, RemotePrefill)
                           else RequestStatus.WAITING)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -350,7 +350,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 stop_reason=request.stop_reason, prompt_logprobs=prompt_logprobs,
                 num_cached_tokens=max(
                     request.num_cached_tokens - request.num_external_computed_tokens, 0),
-                kv_transfer_params=request.kv_transfer_params if status is not None else None))
+                kv_transfer_params=(request.kv_transfer_params if isinstance(
+                    request.kv_transfer_params, HeldBlocks) else None)))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return deltas

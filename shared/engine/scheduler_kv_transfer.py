@@ -18,6 +18,7 @@ from collections import deque
 
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.kv_transfer.params import HeldBlocks, RemotePrefill
 from pdserve.shared.request import Request, RequestStatus
 
 
@@ -47,9 +48,9 @@ class KVTransferScheduling:
         after preempting paused requests."""
         kv = self.kv_cache_manager
         params = request.kv_transfer_params
-        assert params is not None and self.kv_connector is not None
+        assert isinstance(params, RemotePrefill) and self.kv_connector is not None
         hits, num_hit_tokens = kv.get_computed_blocks(request)
-        num_computed = max(params["num_tokens"], num_hit_tokens)
+        num_computed = max(params.num_tokens, num_hit_tokens)
         # NOTE: with a window on every layer only the window's blocks are allocated (and
         # fetched): those before it lead the request's list as the null block.
         num_window_start = (max(0, num_computed - kv.sliding_window + 1) // kv.block_size
@@ -70,7 +71,7 @@ class KVTransferScheduling:
                              delay_cache_blocks=True) is None:
             kv.free(request)
             return False
-        params["num_computed_tokens"] = num_computed
+        params.num_computed_tokens = num_computed
         request.num_external_computed_tokens = num_computed - num_hit_tokens
         self.waiting_for_remote_kvs[request.request_id] = request
         self.kv_connector.update_state_after_alloc(
@@ -79,7 +80,7 @@ class KVTransferScheduling:
 
     def _free_finished(self, request: Request) -> None:
         """Free a finished request's blocks, unless a transfer still needs them: the
-        connector delays a prefill's (its params then name the blocks), a receive still
+        connector delays a prefill's (its params are then `HeldBlocks`), a receive still
         writing an aborted request's holds them until it ends."""
         kv = self.kv_cache_manager
         request_id = request.request_id
@@ -87,16 +88,14 @@ class KVTransferScheduling:
                 self.kv_connector is not None and self.kv_connector.is_recving(request_id):
             self.aborted_recving[request_id] = request
             return
-        delay, params = (self.kv_connector.request_finished(request, kv.get_block_ids(request_id))
-                         if self.kv_connector is not None else (False, None))
-        if delay:
-            assert params is not None
-            params["block_hashes"] = kv.get_block_hashes(request)[
-                :request.num_prompt_tokens // kv.block_size]
+        if self.kv_connector is not None and \
+                self.kv_connector.request_finished(request, kv.get_block_ids(request_id)):
+            request.kv_transfer_params = HeldBlocks(
+                kv.get_block_hashes(request)[:request.num_prompt_tokens // kv.block_size])
             self.finished_sending[request_id] = request
         else:
             kv.free(request)
-        request.kv_transfer_params = params
+            request.kv_transfer_params = None
 
     def update_from_kv_xfer_finished(self) -> None:
         """Apply the transfers the connector reports ended: free sent (or aborted, received)
@@ -113,8 +112,8 @@ class KVTransferScheduling:
             if (request := self.aborted_recving.pop(request_id, None)) is not None:
                 kv.free(request)
             elif ok and (request := self.waiting_for_remote_kvs.pop(request_id, None)):
-                assert request.kv_transfer_params is not None
-                num_computed = request.kv_transfer_params["num_computed_tokens"]
+                assert isinstance(request.kv_transfer_params, RemotePrefill)
+                num_computed = request.kv_transfer_params.num_computed_tokens
                 request.num_computed_tokens = num_computed
                 # NOTE: blocks out of a sliding window hold what the sender's freed blocks
                 # held: freed here before caching, never cached.

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+from pdserve.shared.kv_transfer.params import HeldBlocks
 from pdserve.shared.request import FinishReason, Request, TokenLogprobs
-
-if TYPE_CHECKING:
-    from pdserve.shared.kv_transfer.handle import KVHandle
 
 
 class ScheduledRequest(NamedTuple):
@@ -60,10 +58,10 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int = 0
     """Tokens found in this instance's prefix cache (a received request: those it did not
     fetch), as of its first admission."""
-    kv_transfer_params: dict[str, Any] | KVHandle | None = None
-    """On a prefill's last output: the KV connector's params naming the blocks it holds
-    for the decode side (`KVConnector.request_finished`); the prefill service replaces them
-    with the `KVHandle` it answers with. None otherwise."""
+    kv_transfer_params: HeldBlocks | None = None
+    """On a prefill's last output, when the scheduler holds its blocks for the decode side
+    (`KVConnector.request_finished`): their hashes, from which the prefill service builds the
+    `KVHandle` it answers with. None otherwise."""
     pooled: Any = None
     """A finished pooling request's pooled hidden state ([hidden_size] float32 tensor on
     the CPU, normalised if asked); None for a generate request."""

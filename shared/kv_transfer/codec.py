@@ -6,9 +6,9 @@ One chunk holds some of a request's blocks, for a run of layers, K and V:
 
     chunk.data = bytes of a C-contiguous tensor
         [num_layers_in_chunk, 2 (K, V), len(block_indices), block_size, num_kv_heads, head_dim]
-         ^ layers layer_start ...        ^ block_indices[j] = position in the handle's block_ids
+         ^ layers layer_start ...        ^ block_indices[j] = position in the request's blocks
 
-    handle block_ids:   [ 41 ][ 7 ][ 13 ][ 90 ][ 91 ][ 5 ][ 2 ]      (prefill instance)
+    prefill block_ids:  [ 41 ][ 7 ][ 13 ][ 90 ][ 91 ][ 5 ][ 2 ]      (its own: never sent)
     block_indices:                [2,   3,    4]        [5,  6]      (two chunks, all layers)
     decode block_ids:   [ 11 ][ 12][ 30 ][ 31 ][ 32 ][ 8 ][ 9 ]      (written at the same indices)
 
@@ -207,7 +207,7 @@ class TransferTracker:
 
     Args:
         layout: the receiving instance's KV layout.
-        block_indices: the indices asked for (positions in the handle's block_ids).
+        block_indices: the indices asked for (positions in the request's block list).
     """
 
     def __init__(self, layout: KVLayout, block_indices: Sequence[int]):

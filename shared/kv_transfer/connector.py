@@ -1,21 +1,22 @@
 """KVConnector: when the scheduler may free or compute with a transfer's blocks (vLLM v1's shape).
 
 The scheduler owns every block. A prefill request marked for a remote decode
-(`request.kv_transfer_params = {"do_remote_decode": True}`) that ends FINISHED_LENGTH_CAPPED
-(its one engine token) is not freed when it finishes: `request_finished()` answers
-"delay", and its blocks stay the scheduler's until the transfer is done.
+(`request.kv_transfer_params = RemoteDecode()`, shared/kv_transfer/params.py) that ends
+FINISHED_LENGTH_CAPPED (its one engine token) is not freed when it finishes:
+`request_finished()` answers "delay", and its blocks stay the scheduler's until the transfer
+is done.
 
-    finished (engine thread) ─▶ request_finished: (True, params) ─▶ held for the decode
+    finished (engine thread) ─▶ request_finished: True ─▶ held for the decode
     FetchKV (service loop)   ─▶ start_send ... end_send          (blocks read, never freed
                                                                    under a reader)
     ReleaseKV / Abort / TTL  ─▶ close (service loop)
     schedule() or an op      ─▶ get_finished(): closed and no reader ─▶ scheduler frees
 
-Decode side: a request with `kv_transfer_params={"do_remote_prefill": True, "num_tokens": N}`
-waits in the scheduler as WAITING_FOR_REMOTE_KVS; the scheduler allocates its blocks in its
-admission order and calls `update_state_after_alloc` (the service's `expect_recv` callback
-learns the block ids and starts the fetch); `recv_finished` (service loop) then
-`get_finished` (engine thread) tell the scheduler the KV is in place.
+Decode side: a request with `kv_transfer_params=RemotePrefill(num_tokens=N)` waits in the
+scheduler as WAITING_FOR_REMOTE_KVS; the scheduler allocates its blocks in its admission
+order and calls `update_state_after_alloc` (the service's `expect_recv` callback learns the
+block ids and starts the fetch); `recv_finished` (service loop) then `get_finished` (engine
+thread) tell the scheduler the KV is in place.
 
 Threads: `request_finished`, `update_state_after_alloc` and `get_finished` run on the engine
 thread (the scheduler's); the rest on the service's event loop. One lock guards the table;
@@ -31,8 +32,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
+from pdserve.shared.kv_transfer.params import RemoteDecode
 from pdserve.shared.request import Request, RequestStatus
 
 __all__ = ["KVConnector", "Sending"]
@@ -67,22 +68,21 @@ class KVConnector:
 
     # -- engine thread ----------------------------------------------------------------------
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """(delay_free_blocks, kv_transfer_params) for a request that just finished.
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        """delay_free_blocks for a request that just finished: the connector now holds its
+        `block_ids` (a copy) for a send.
 
-        Delays when the request asked for a remote decode and ended on its length cap (the
-        engine's max_tokens=1: the client's request goes on elsewhere); the params then give
-        its `block_ids` (a copy). A stop, an abort or a request without blocks: no delay.
+        Delays when the request asked for a remote decode (`RemoteDecode`) and ended on its
+        length cap (the engine's max_tokens=1: the client's request goes on elsewhere). A
+        stop, an abort or a request without blocks: no delay.
         """
-        params = request.kv_transfer_params
-        if not (params and params.get("do_remote_decode")) or not block_ids \
+        if not isinstance(request.kv_transfer_params, RemoteDecode) or not block_ids \
                 or request.status != RequestStatus.FINISHED_LENGTH_CAPPED:
-            return False, None
+            return False
         with self._lock:
             self._sending[request.request_id] = Sending(request, list(block_ids),
                                                         time.monotonic())
-        return True, {"block_ids": list(block_ids)}
+        return True
 
     def get_finished(self) -> tuple[set[str], dict[str, bool]]:
         """(finished_sending, finished_recving), forgotten here: held requests whose send is

@@ -305,7 +305,8 @@ async def test_the_page_shows_the_leak_audit_and_the_block_tables_under_load(
         assert audited["prefill"]["num_pinned_blocks"] >= 12
 
         prefill_key, decode_key = inst["prefill"]["key"], inst["decode"]["key"]
-        handle_b = list(pins["pin-b"].kv_transfer_params.block_ids)
+        handle_b = await cluster.prefill.worker.engine.call(
+            lambda e: e.kv_cache_manager.get_block_ids("pin-b"))
         detail = await check_selection(page, prefill_key, "pin-b", handle_b)
         assert "cached prefix 10 blocks (160 tokens)" in detail and "shares 10 blocks" in detail
         # A decode request mid-generation: its table as the engine has it now.

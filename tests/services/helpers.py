@@ -128,6 +128,11 @@ async def start_cluster(model_path: str, redis_url: str | None, **engine_overrid
     return Cluster(prefill, decode, index)
 
 
+def num_handle_blocks(handle: pb.KVTransferParams) -> int:
+    """The blocks the prefill holds for a KV handle: ceil(num_tokens / block_size)."""
+    return -(-handle.num_tokens // handle.block_size)
+
+
 def greedy(max_tokens: int, **kwargs) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
 

@@ -13,7 +13,7 @@ import pytest_asyncio
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
-from tests.services.helpers import RPC_TIMEOUT, greedy, wait_leak_free
+from tests.services.helpers import RPC_TIMEOUT, greedy, num_handle_blocks, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 Code = grpc.StatusCode
@@ -52,7 +52,7 @@ async def test_fetch_indices_out_of_range_or_repeated(cluster):
     resp = await cluster.prefill_stub.Prefill(pb.PrefillRequest(
         request_id="oor", prompt_token_ids=_prompt(1, 40), sampling_params=greedy(8)),
         timeout=RPC_TIMEOUT)
-    num_blocks = len(resp.kv_transfer_params.block_ids)
+    num_blocks = num_handle_blocks(resp.kv_transfer_params)
     for indices, text in (([0, num_blocks], "out of range"), ([-1], "out of range"),
                           ([1, 1], "repeated")):
         code, details = await _status(_collect(cluster.prefill_stub.FetchKV(
@@ -127,7 +127,7 @@ def _decode_request(prompt, resp, **handle_changes) -> pb.DecodeRequest:
     handle = pb.KVTransferParams()
     handle.CopyFrom(resp.kv_transfer_params)
     for name, value in handle_changes.items():
-        if name in ("block_ids", "block_hashes"):
+        if name == "block_hashes":
             del getattr(handle, name)[:]
             getattr(handle, name).extend(value)
         else:
@@ -143,7 +143,7 @@ def _decode_request(prompt, resp, **handle_changes) -> pb.DecodeRequest:
     ({"head_dim": 32}, "layout"),
     ({"model": "other-model"}, "model"),
     ({"num_tokens": 500}, "num_tokens"),
-    ({"block_ids": [1, 2]}, "block_ids"),
+    ({"block_hashes": [b"\0" * 16] * 2}, "block_hashes"),
     ({"block_hashes": [b"\0" * 16] * 6}, "block_hashes"),
     ({"prefill_address": ""}, "prefill_address"),
 ])
@@ -236,8 +236,7 @@ async def test_bad_chunks_fail_the_request_and_free_its_blocks(cluster, bad_pref
                                                               worker.quantization))
     layout = worker.layout
     handle = pb.KVTransferParams(
-        prefill_instance_id="bad", prefill_address=address,
-        block_ids=list(range(1, 11)), block_hashes=hashes, num_tokens=num_tokens,
+        prefill_address=address, block_hashes=hashes, num_tokens=num_tokens,
         dtype=layout.dtype, num_layers=layout.num_layers, block_size=layout.block_size,
         num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, model=worker.model_name,
         quantization=worker.quantization)

@@ -36,6 +36,7 @@ from tests.services.helpers import (
     channel,
     engine_args,
     greedy,
+    num_handle_blocks,
     service_config,
     start_runtime,
 )
@@ -248,7 +249,7 @@ async def test_a_split_request_with_the_token_works(secured):
     tokens = [resp.first_token_id] + [t for c in chunks for t in c.token_ids]
     assert len(tokens) == 6 and chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
     received = secured.decode.worker.metrics.value("kv_transfer_blocks_received_total") - before
-    assert received == len(resp.kv_transfer_params.block_ids) == 4
+    assert received == num_handle_blocks(resp.kv_transfer_params) == 4
     # The decode's ReleaseKV (background, with the token) unpins the prefill's blocks.
     state = await _wait_unpinned(secured.prefill_stub)
     assert state.num_pinned_blocks == 0 and state.num_used_blocks == 0

@@ -24,6 +24,7 @@ from tests.services.helpers import (
     channel,
     engine_args,
     greedy,
+    num_handle_blocks,
     service_config,
     start_runtime,
     wait_leak_free,
@@ -93,7 +94,7 @@ async def test_unfetched_pins_expire(small):
         request_id="never-fetched", prompt_token_ids=list(range(300, 400)),
         sampling_params=greedy(8)), timeout=RPC_TIMEOUT)
     state = await c.prefill_stub.GetState(pb.GetStateRequest(), timeout=RPC_TIMEOUT)
-    assert state.num_pinned_blocks == len(resp.kv_transfer_params.block_ids) == 7
+    assert state.num_pinned_blocks == num_handle_blocks(resp.kv_transfer_params) == 7
     prefill_state, _ = await wait_leak_free(c, timeout=20)
     assert prefill_state.num_pinned_blocks == prefill_state.num_used_blocks == 0
     assert prefill_state.num_free_blocks == prefill_state.num_gpu_blocks - 1

@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.shared.sampling_params import SamplingParams
-from tests.services.helpers import RPC_TIMEOUT, greedy, wait_leak_free
+from tests.services.helpers import RPC_TIMEOUT, greedy, num_handle_blocks, wait_leak_free
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -86,7 +86,9 @@ async def test_prefill_blocks_are_released_while_the_decode_runs(
     num_full = len(prompt) // 16
     assert len(handle.block_hashes) == num_full > 0
     state = await cluster.prefill_stub.GetState(pb.GetStateRequest(), timeout=RPC_TIMEOUT)
-    assert state.num_pinned_blocks == len(handle.block_ids)
+    assert state.num_pinned_blocks == num_handle_blocks(handle)
+    held_block_ids = await cluster.prefill.worker.engine.call(
+        lambda e: e.kv_cache_manager.get_block_ids(rid))  # the prefill's own, never sent
 
     tokens = [resp.first_token_id]
     finished = asyncio.Event()
@@ -110,7 +112,7 @@ async def test_prefill_blocks_are_released_while_the_decode_runs(
             await asyncio.sleep(0.02)
         num_tokens_then = len(tokens)
         blocks_free = await cluster.prefill.worker.engine.call(
-            lambda e: _free_cached_op(e, list(handle.block_ids), list(handle.block_hashes)))
+            lambda e: _free_cached_op(e, held_block_ids, list(handle.block_hashes)))
         decode_state = await cluster.decode_stub.GetState(pb.GetStateRequest(),
                                                           timeout=RPC_TIMEOUT)
         # Unpinned while the decode is still running, not at its end.

@@ -148,9 +148,8 @@ class FakePrefill(engine_pb2_grpc.PrefillServiceServicer):
         if finish:
             self.rec.active.discard(request.request_id)
         kv = engine_pb2.KVTransferParams(
-            prefill_instance_id=self.instance_id, prefill_address=self.address,
-            block_ids=list(range(1, len(prompt) // bs + 2)), num_tokens=len(prompt),
-            dtype="float32", block_size=bs, model=MODEL)
+            prefill_address=self.address, num_tokens=len(prompt), dtype="float32",
+            block_size=bs, model=MODEL)
         call["finished"] = True
         return engine_pb2.PrefillResponse(
             request_id=request.request_id, first_token_id=t, first_logprobs=lp,

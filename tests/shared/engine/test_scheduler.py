@@ -10,6 +10,7 @@ from pdserve.shared.engine.scheduler import Scheduler, check_stop
 from pdserve.shared.engine.scheduling_policy import validate_request
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.kv_transfer.params import HeldBlocks, RemoteDecode, RemotePrefill
 from pdserve.shared.request import FinishReason, Request, RequestStatus
 from pdserve.shared.sampling_params import SamplingParams
 
@@ -436,14 +437,13 @@ def test_connector_holds_a_remote_decodes_blocks_until_its_transfer_is_done():
     connector = KVConnector()
     sched = make_scheduler(kv_connector=connector)
     req = make_request("a", 40, max_tokens=1)
-    req.kv_transfer_params = {"do_remote_decode": True}
+    req.kv_transfer_params = RemoteDecode()
     sched.add_request(req)
     _, deltas = step(sched, FakeRunner(sched))
     assert deltas[0].finished and not sched.has_unfinished_requests()
     kv = sched.kv_cache_manager
     assert kv.get_block_ids("a") == [1, 2, 3] and kv.num_free_blocks == 60
-    assert req.kv_transfer_params == {"block_ids": [1, 2, 3],
-                                      "block_hashes": kv.get_block_hashes(req)[:2]}
+    assert req.kv_transfer_params == HeldBlocks(kv.get_block_hashes(req)[:2])
     assert sched.abort_requests(["a"]) == []  # finished: the connector's to close
     assert kv.num_free_blocks == 60
     assert sched.schedule().finished_request_ids == ["a"]
@@ -464,7 +464,7 @@ def test_connector_frees_at_once_unless_asked_and_length_capped(ask, eos, expect
     sched = make_scheduler(kv_connector=KVConnector())
     req = make_request("a", 40, max_tokens=1)
     req.eos_token_id = model_token(req) if eos else None
-    req.kv_transfer_params = {"do_remote_decode": True} if ask else None
+    req.kv_transfer_params = RemoteDecode() if ask else None
     sched.add_request(req)
     step(sched, FakeRunner(sched))
     assert (sched.kv_cache_manager.num_free_blocks == 60) == expect_held
@@ -508,7 +508,7 @@ def test_waiting_for_remote_kvs_gets_blocks_then_runs_once_received():
     kv = sched.kv_cache_manager
     req = make_request("a", 40, max_tokens=3)
     req.append_output_token(model_token(req))
-    req.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": 40}
+    req.kv_transfer_params = RemotePrefill(num_tokens=40)
     allocated = []
     connector.expect_recv("a", lambda ids, hit: allocated.append((ids, hit)))
     sched.add_request(req)
@@ -531,7 +531,7 @@ def test_a_receive_aborted_mid_write_keeps_its_blocks_until_it_ends():
     kv = sched.kv_cache_manager
     req = make_request("a", 40, max_tokens=3)
     req.append_output_token(1)
-    req.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": 40}
+    req.kv_transfer_params = RemotePrefill(num_tokens=40)
     connector.expect_recv("a", lambda ids, hit: None)
     sched.add_request(req)
     sched.schedule()
