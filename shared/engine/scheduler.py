@@ -167,15 +167,12 @@ class Scheduler:
         return (*(RequestView.of(r, kv) for r in (*self.running, *self.waiting, *self.paused)),
                 *self.kv_transfers.views())
 
-    def block_holders(self) -> Mapping[int, tuple[str, ...]]:
-        """Block id -> the ids of the requests holding it, per the KV cache manager (a
-        snapshot; held blocks only). A holder absent from `request_views()` is a leak."""
+    def block_holders(self) -> Mapping[str, tuple[int, ...]]:
+        """Request id -> its block ids (logical order), for every request the KV cache
+        manager holds blocks for (a snapshot). One absent from `request_views()` is a leak."""
         kv = self.kv_cache_manager
-        holders: dict[int, list[str]] = {}
-        for request_id in kv.req_to_blocks:
-            for block_id in kv.get_block_ids(request_id):
-                holders.setdefault(block_id, []).append(request_id)
-        return MappingProxyType({b: tuple(ids) for b, ids in holders.items()})
+        return MappingProxyType({request_id: tuple(kv.get_block_ids(request_id))
+                                 for request_id in kv.req_to_blocks})
 
     @property
     def num_running(self) -> int:

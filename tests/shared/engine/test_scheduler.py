@@ -80,6 +80,9 @@ def check(scheduler: Scheduler) -> None:
     for r in scheduler.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens > 0 or kv.get_block_ids(r.request_id) == []
+    # The views cover every unfinished request (what the leak audit and the feed rely on).
+    assert {v.request_id for v in scheduler.request_views()
+            if not RequestStatus.is_finished(v.status)} == set(scheduler.requests)
 
 
 def step(scheduler: Scheduler, runner: FakeRunner):
