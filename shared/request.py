@@ -8,6 +8,10 @@ Lifecycle (vLLM v1's `RequestStatus` order; everything after PREEMPTED is finish
 
     WAITING_FOR_REMOTE_KVS ──KV written by the transfer──▶ WAITING/RUNNING   (decode role)
 
+    WAITING / RUNNING / PREEMPTED ──pause──▶ PAUSED ──resume──▶ WAITING / PREEMPTED
+                                             (keeps its blocks until preempted; see
+                                              shared/engine/scheduler_pause.py)
+
 A prefill finished for a remote decode keeps its blocks until the KV connector says its
 transfer is done (docs/lifecycle.md).
 """
@@ -29,6 +33,7 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
+    PAUSED = enum.auto()
     PREEMPTED = enum.auto()
     # NOTE: every status after PREEMPTED is a finished one (see is_finished).
     FINISHED_STOPPED = enum.auto()

@@ -126,8 +126,8 @@ def step_fault_hook(path: str) -> Callable[[], None]:
 def stall_file_hook(engine: AsyncEngine, path: str) -> Callable[[], None]:
     """The test hook: while `path` exists and the engine has requests, sleep (engine thread)."""
     def hook() -> None:
-        # NOTE: _stopped: a shutdown must not wait for the file to go away.
+        # NOTE: stopped: a shutdown must not wait for the file to go away.
         while os.path.exists(path) and engine.engine_core.has_unfinished_requests() \
-                and not engine._stopped:
+                and not engine.stopped:
             time.sleep(_STALL_POLL_S)
     return hook

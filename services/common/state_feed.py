@@ -5,7 +5,8 @@
                       └─ one ticker per instance, however many watchers:
                          loop side: pins and transfers (the KV connector's)
                          engine thread (one op): changed block ids + their states, the
-                           requests' block tables, stats_op (the leak audit's counts)
+                           scheduler's request_views() and block_holders(), stats_op (the
+                           leak audit's counts)
 
 Each block is one byte (the proto's StateFrame comment):
 
@@ -30,7 +31,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from pdserve.services.common.metrics import EngineStats
@@ -119,6 +120,13 @@ class StateFrame(NamedTuple):
     time: float
 
 
+_STATUS = {RequestStatus.RUNNING: "running", RequestStatus.PREEMPTED: "preempted",
+           RequestStatus.PAUSED: "paused"}
+"""RequestView.status of a scheduler's request by its RequestStatus ("waiting" otherwise)."""
+_TRANSFER_STATUS = {"send": "pinned", "receive": "transfer"}
+"""RequestView.status of a request a KV transfer holds, by its `kv_transfer`."""
+
+
 def block_state(block) -> int:
     """The map byte of a KVCacheBlock, pins aside."""
     return (BLOCK_USED if block.ref_cnt > 0 else BLOCK_FREE) | (
@@ -144,33 +152,23 @@ def feed_op(engine, full: bool, stats_op: Callable) -> FeedSample:
         blocks = pool.blocks
         changed_states = bytes(block_state(blocks[i]) for i in changed)
     scheduler = engine.scheduler
-    requests = []
-    seen = set()
-    for group in (scheduler.running, scheduler.waiting, scheduler.paused.values()):
-        for r in group:
-            seen.add(r.request_id)
-            status = ("paused" if r.request_id in scheduler.paused else
-                      "running" if r.status == RequestStatus.RUNNING else
-                      "preempted" if r.status == RequestStatus.PREEMPTED else "waiting")
-            requests.append(_view(kv, r, status))
-    for status, held in (("pinned", scheduler.finished_sending),
-                         ("transfer", scheduler.waiting_for_remote_kvs),
-                         ("transfer", scheduler.aborted_recving)):
-        for r in held.values():
-            seen.add(r.request_id)
-            requests.append(_view(kv, r, status))
-    holders = kv.req_to_blocks
-    for request_id in sorted(holders.keys() - seen):
-        ids = kv.get_block_ids(request_id)
-        requests.append(RequestView(request_id, "held", ids, 0, 0, 0, 0))
+    views = scheduler.request_views()
+    requests = [RequestView(v.request_id, _TRANSFER_STATUS.get(v.kv_transfer)
+                            or _STATUS.get(v.status, "waiting"), list(v.block_ids),
+                            max(v.num_cached_tokens, 0), v.num_computed_tokens,
+                            v.num_prompt_tokens, v.num_tokens,
+                            v.lora_request.lora_name if v.lora_request is not None else "")
+                for v in views]
+    requests += [RequestView(request_id, "held", list(block_ids), 0, 0, 0, 0)
+                 for request_id, block_ids in unowned(views, scheduler.block_holders())]
     return FeedSample(block_states, changed, changed_states, stats_op(engine), requests)
 
 
-def _view(kv, r, status: str) -> RequestView:
-    return RequestView(r.request_id, status, kv.get_block_ids(r.request_id),
-                       max(r.num_cached_tokens, 0), r.num_computed_tokens,
-                       r.num_prompt_tokens, r.num_tokens,
-                       r.lora_request.lora_name if r.lora_request is not None else "")
+def unowned(views: Iterable, holders: Mapping[str, tuple[int, ...]]) -> list[tuple]:
+    """(request id, block ids) of each block holder (`Scheduler.block_holders`) that none of
+    the scheduler's `views` is: blocks nothing owns (a leak), sorted by id."""
+    owned = {v.request_id for v in views}
+    return sorted((rid, ids) for rid, ids in holders.items() if rid not in owned)
 
 
 class _Watcher:

@@ -33,6 +33,7 @@ from pdserve.shared.engine.async_engine import AsyncEngine
 from pdserve.shared.engine.engine_core import EngineCore
 from pdserve.shared.kv_transfer.codec import KVLayout
 from pdserve.shared.lora.request import LoRARequest
+from pdserve.shared.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -86,22 +87,22 @@ def stats_op(engine: EngineCore) -> EngineStats:
 
 def lora_users_op(engine: EngineCore, lora_int_id: int) -> list[str]:
     """The unfinished requests running under the adapter `lora_int_id`."""
-    return [r.request_id for r in engine.scheduler.requests.values()
-            if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+    return [v.request_id for v in engine.scheduler.request_views()
+            if v.lora_request is not None and v.lora_request.lora_int_id == lora_int_id
+            and not RequestStatus.is_finished(v.status)]
 
 
 def check_invariants_op(engine: EngineCore) -> tuple[str, list[str]]:
     """("", []) when the KV cache manager's invariants hold and every request holding blocks
     is the scheduler's (unfinished, or finished and held for a KV transfer); else the broken
     invariant, or "" and the ids of the requests holding blocks that nothing owns."""
-    kv = engine.kv_cache_manager
     try:
-        kv.check_invariants()
+        engine.kv_cache_manager.check_invariants()
     except AssertionError as e:
         return str(e) or "AssertionError", []
     scheduler = engine.scheduler
-    return "", sorted(set(kv.req_to_blocks) - set(scheduler.requests)
-                      - set(scheduler.finished_sending) - set(scheduler.aborted_recving))
+    return "", [rid for rid, _ in state_feed.unowned(scheduler.request_views(),
+                                                     scheduler.block_holders())]
 
 
 class EngineWorker:

@@ -189,6 +189,11 @@ class AsyncEngine:
             return 0.0
         return time.monotonic() - self.last_step_time
 
+    @property
+    def stopped(self) -> bool:
+        """Whether `shutdown()` began (a hook on the engine thread must stop waiting)."""
+        return self._stopped
+
     def seconds_in_step(self) -> float:
         """Seconds the step running now has taken so far; 0 between steps."""
         started = self.step_started

@@ -226,8 +226,9 @@ class EngineCore:
 
     def lora_stats(self) -> LoRAStats:
         """Running and waiting adapters' names, and max_loras (vllm:lora_requests_info)."""
-        waiting = [*self.scheduler.waiting, *self.scheduler.waiting_for_remote_kvs.values()]
-        return lora_stats(self.scheduler.running, waiting,
+        scheduler = self.scheduler
+        waiting = [*scheduler.waiting, *scheduler.kv_transfers.waiting_for_remote_kvs.values()]
+        return lora_stats(scheduler.running, waiting,
                           self.lora_config.max_loras if self.lora_config else 0)
 
     def _lora_manager(self) -> LoRAModelManager:

@@ -2,7 +2,9 @@
 
 Role-agnostic. With a `kv_connector` (shared/kv_transfer/connector.py) a finished request
 the connector delays (a prefill whose KV a decode instance will fetch) keeps its blocks, still
-the scheduler's, until the connector reports its transfer done; see docs/lifecycle.md.
+the scheduler's, until the connector reports its transfer done; see docs/lifecycle.md. It
+owns `KVTransferTracker` (scheduler_kv_transfer.py) and `PausedRequests` (scheduler_pause.py);
+services read it through `request_views()` and `block_holders()`, never its containers.
 
 One engine step (synchronous, one step in flight at a time):
 
@@ -20,18 +22,20 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.engine.longrope import switch_to_long_rope
-from pdserve.shared.engine.scheduler_kv_transfer import KVTransferScheduling
+from pdserve.shared.engine.scheduler_kv_transfer import KVTransferTracker
 from pdserve.shared.engine.scheduler_output import (
     EngineCoreOutput,
-    ScheduledRequest,
+    RequestView,
     SchedulerOutput,
     SchedulerStats,
+    StepBatch,
 )
-from pdserve.shared.engine.scheduler_pause import RequestPausing
+from pdserve.shared.engine.scheduler_pause import PausedRequests
 from pdserve.shared.engine.scheduling_policy import (
     admission_order,
     min_tpot_slack,
@@ -51,7 +55,7 @@ from pdserve.shared.stop_rules import check_stop
 __all__ = ["Scheduler", "check_stop"]
 
 
-class Scheduler(RequestPausing, KVTransferScheduling):
+class Scheduler:
     """Decides, each step, which requests run and how many of their tokens.
 
     Args:
@@ -67,7 +71,6 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                  kv_connector: KVConnector | None = None, longrope_original: int | None = None):
         self.scheduler_config = scheduler_config
         self.kv_cache_manager = kv_cache_manager
-        self.kv_connector = kv_connector
         self.longrope_original = longrope_original
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting, preempted or running) by id."""
@@ -76,16 +79,16 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         `_admission_order()` says who is admitted first."""
         self.running: list[Request] = []
         """RUNNING requests in admission order; preemption takes from the end (newest)."""
-        self.paused: dict[str, Request] = {}
-        """Paused requests (`pause_requests`), in pause order: never scheduled, out of both
-        queues, not counted against max_num_seqs; they keep their blocks until preempted."""
-        self._paused_preempted_ids: list[str] = []
+        self.paused = PausedRequests()
+        """PAUSED requests (`pause_requests`): never scheduled, out of both queues, not
+        counted against max_num_seqs; they keep their blocks until preempted."""
+        self.kv_transfers = KVTransferTracker(kv_cache_manager, kv_connector)
+        """Requests whose blocks a KV transfer holds (with a `kv_connector`)."""
         self.num_preemptions = 0
         """Total preemptions since start-up."""
         self._finished_req_ids: list[str] = []
         self.spec_decoding_stats = SpecDecodingStats()
         """Speculative decoding counters (all 0 without speculation)."""
-        self._init_kv_transfer()
 
     # -- requests in and out ----------------------------------------------------------------
 
@@ -118,14 +121,10 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             request_ids = (request_ids,)
         aborted = []
         for request_id in request_ids:
-            request = self.requests.pop(request_id, None)
-            if request is None:
-                continue
-            request.status = RequestStatus.FINISHED_ABORTED
-            self.paused.pop(request_id, None)
-            self._free_finished(request)
-            self._finished_req_ids.append(request_id)
-            aborted.append(request)
+            if (request := self.requests.get(request_id)) is not None:
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._finish(request)
+                aborted.append(request)
         if aborted:
             self.running = [r for r in self.running if not r.is_finished]
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
@@ -134,7 +133,47 @@ class Scheduler(RequestPausing, KVTransferScheduling):
     def has_unfinished_requests(self) -> bool:
         """Whether a step could make progress: an unfinished request that is neither paused
         nor holding blocks a receive is filling."""
-        return len(self.requests) > len(self.paused) + len(self.waiting_for_remote_kvs)
+        return len(self.requests) > len(self.paused) + self.kv_transfers.num_receiving
+
+    def pause_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Make the given unfinished requests PAUSED (`PausedRequests.pause`: out of the
+        running list and the waiting queue, blocks kept); returns the ids newly paused."""
+        paused = self.paused.pause(self.requests[i] for i in request_ids if i in self.requests)
+        if paused:
+            self.running = [r for r in self.running if r.status != RequestStatus.PAUSED]
+            self.waiting = deque(r for r in self.waiting if r.status != RequestStatus.PAUSED)
+        return paused
+
+    def resume_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Queue paused requests again (`PausedRequests.resume`); returns the ids resumed."""
+        return self.paused.resume(request_ids, self.waiting)
+
+    def preempt_paused(self) -> bool:
+        """Free the KV of the longest-paused request holding blocks (it recomputes once
+        resumed; reported in the next `preempted_request_ids`); False when none holds any."""
+        request = self.paused.preempt_holder(self.kv_cache_manager)
+        if request is not None:
+            self._free_for_recompute(request)
+        return request is not None
+
+    def update_from_kv_xfer_finished(self) -> None:
+        """Apply the KV transfers the connector reports ended (`KVTransferTracker.
+        take_finished`): blocks freed, received requests queued like any."""
+        self.waiting.extend(self.kv_transfers.take_finished())
+
+    def request_views(self) -> tuple[RequestView, ...]:
+        """Every request this scheduler holds, a snapshot: running (admission order),
+        waiting (queue order), paused (pause order), then those a KV transfer holds."""
+        kv = self.kv_cache_manager
+        return (*(RequestView.of(r, kv) for r in (*self.running, *self.waiting, *self.paused)),
+                *self.kv_transfers.views())
+
+    def block_holders(self) -> Mapping[str, tuple[int, ...]]:
+        """Request id -> its block ids (logical order), for every request the KV cache
+        manager holds blocks for (a snapshot). One absent from `request_views()` is a leak."""
+        kv = self.kv_cache_manager
+        return MappingProxyType({request_id: tuple(kv.get_block_ids(request_id))
+                                 for request_id in kv.req_to_blocks})
 
     @property
     def num_running(self) -> int:
@@ -156,7 +195,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         prefix = self.kv_cache_manager.stats
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + len(self.waiting_for_remote_kvs),
+            num_waiting=len(self.waiting) + self.kv_transfers.num_receiving,
             num_paused=len(self.paused),
             kv_cache_usage=self.kv_cache_manager.usage, num_preemptions=self.num_preemptions,
             prefix_cache_requests=prefix.requests, prefix_cache_queries=prefix.queries,
@@ -192,26 +231,20 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         config = self.scheduler_config
         kv = self.kv_cache_manager
         self.update_from_kv_xfer_finished()
-        token_budget = config.max_num_batched_tokens
-        prefill_budget = token_budget if max_prefill_tokens is None else max_prefill_tokens
-        scheduled: list[ScheduledRequest] = []
+        batch = StepBatch(config, kv, max_prefill_tokens)
         preempted_ids: list[str] = []
 
         longrope = self.longrope_original
         i = 0
-        while i < len(self.running) and token_budget > 0:
+        while i < len(self.running) and batch.token_budget > 0:
             request = self.running[i]
             if longrope is not None:
                 switch_to_long_rope(request, longrope, kv)
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens,
-                                                  token_budget)
-            if num_new_tokens > 1:
-                num_new_tokens = min(num_new_tokens, prefill_budget)
-                if num_new_tokens == 0:
-                    i += 1  # a prompt chunk, and this step's prefill budget is spent
-                    continue
-                prefill_budget -= num_new_tokens
-            num_spec = num_spec_tokens(request, num_new_tokens, token_budget, longrope)
+            num_new_tokens = batch.fit(request, request.num_computed_tokens)
+            if num_new_tokens == 0:
+                i += 1  # a prompt chunk, and this step's prefill budget is spent
+                continue
+            num_spec = num_spec_tokens(request, num_new_tokens, batch.token_budget, longrope)
             while (new_blocks := kv.allocate_slots(request, num_new_tokens + num_spec)) is None:
                 if num_spec:  # drop the drafts before preempting anyone
                     num_spec = 0
@@ -225,19 +258,19 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                     break
             if new_blocks is None:
                 break  # `request` itself was the newest left, and is preempted.
-            scheduled.append(self._schedule_tokens(request, num_new_tokens, num_spec))
-            token_budget -= num_new_tokens + num_spec
+            batch.add(request, num_new_tokens, num_spec)
             i += 1
 
         admitted: list[Request] = []
         # NOTE: no ordering work on the (common) steps that cannot admit anyone.
-        can_admit = (not preempted_ids and token_budget > 0
+        can_admit = (not preempted_ids and batch.token_budget > 0
                      and len(self.running) < config.max_num_seqs)
         for request in (self._admission_order() if can_admit else ()):
-            if preempted_ids or token_budget <= 0 or len(self.running) >= config.max_num_seqs:
+            if batch.token_budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if not self._allocate_for_remote_kvs(request):
+                if not self.kv_transfers.allocate(request, bool(self.running),
+                                                  self.preempt_paused):
                     break  # nobody overtakes the head of the admission order
                 admitted.append(request)  # out of the queue, not running
                 continue
@@ -248,12 +281,9 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             if request.num_computed_tokens == 0 and \
                     request.sampling_params.prompt_logprobs is None and uses_prefix_hits(request):
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new_tokens = self._num_new_tokens(
-                request, request.num_computed_tokens + num_hit_tokens, token_budget)
-            if num_new_tokens > 1:
-                num_new_tokens = min(num_new_tokens, prefill_budget)
-                if num_new_tokens == 0:
-                    break  # this step's prefill budget is spent (the order stands)
+            num_new_tokens = batch.fit(request, request.num_computed_tokens + num_hit_tokens)
+            if num_new_tokens == 0:
+                break  # this step's prefill budget is spent (the order stands)
             while (new_blocks := kv.allocate_slots(request, num_new_tokens, hits,
                                                    num_hit_tokens)) is None:
                 if not self.preempt_paused():
@@ -269,10 +299,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 bisect.insort(self.running, request, key=priority_key)
             else:
                 self.running.append(request)
-            scheduled.append(self._schedule_tokens(request, num_new_tokens))
-            token_budget -= num_new_tokens
-            if num_new_tokens > 1:
-                prefill_budget -= num_new_tokens
+            batch.add(request, num_new_tokens)
         if admitted:
             if len(admitted) == 1 and self.waiting[0] is admitted[0]:
                 self.waiting.popleft()
@@ -280,19 +307,9 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 taken = {id(r) for r in admitted}
                 self.waiting = deque(r for r in self.waiting if id(r) not in taken)
 
-        # Decodes first: the model runner batches the leading single-token rows together.
-        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1 and s.sample]
-        if len(decodes) != len(scheduled):
-            scheduled = decodes + [s for s in scheduled
-                                   if not (s.num_scheduled_tokens == 1 and s.sample)]
         finished_ids, self._finished_req_ids = self._finished_req_ids, []
-        paused_ids, self._paused_preempted_ids = self._paused_preempted_ids, []
-        return SchedulerOutput(
-            scheduled=scheduled,
-            total_num_scheduled_tokens=config.max_num_batched_tokens - token_budget,
-            preempted_request_ids=preempted_ids + paused_ids,
-            finished_request_ids=finished_ids,
-        )
+        paused_ids, self.paused.preempted_ids = self.paused.preempted_ids, []
+        return batch.output(preempted_ids + paused_ids, finished_ids)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled: dict[str, tuple],
@@ -363,38 +380,20 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         order = admission_order(self.waiting, self.scheduler_config)
         return order if self.lora_admission is None else self.lora_admission(order, self.running)
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int,
-                        token_budget: int) -> int:
-        num_new_tokens = request.num_tokens - num_computed_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
-        if threshold > 0:
-            num_new_tokens = min(num_new_tokens, threshold)
-        return min(num_new_tokens, token_budget)
-
-    def _schedule_tokens(self, request: Request, num_new_tokens: int,
-                         num_spec: int = 0) -> ScheduledRequest:
-        start_pos = request.num_computed_tokens
-        request.num_computed_tokens = start_pos + num_new_tokens + num_spec
-        spec = tuple(request.spec_token_ids[:num_spec]) if num_spec else ()
-        if request.spec_token_ids:
-            request.spec_token_ids = []  # consumed (or stale): the proposer sets new ones
-        return ScheduledRequest(
-            request=request, start_pos=start_pos,
-            num_scheduled_tokens=num_new_tokens + num_spec,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            sample=start_pos + num_new_tokens == request.num_tokens, spec_token_ids=spec)
-
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, requeue at the front."""
-        self.kv_cache_manager.free(request)
+        self._free_for_recompute(request)
         request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _free_for_recompute(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def _finish(self, request: Request) -> None:
         del self.requests[request.request_id]
-        self.paused.pop(request.request_id, None)
+        self.paused.discard(request.request_id)
         self._finished_req_ids.append(request.request_id)
-        self._free_finished(request)
+        self.kv_transfers.free_finished(request)

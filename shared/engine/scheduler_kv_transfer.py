@@ -1,4 +1,4 @@
-"""The Scheduler's KV-transfer half: blocks of requests whose KV crosses instances.
+"""KVTransferTracker: the scheduler's blocks of requests whose KV crosses instances.
 
     prefill: a finished request the connector delays ──▶ finished_sending ──▶ freed when
              the connector reports its send done
@@ -8,44 +8,53 @@
              freed when the receive ends; a failed receive leaves it for the service to
              abort
 
-The blocks are the scheduler's in every state (docs/lifecycle.md); the connector
-(shared/kv_transfer/connector.py) only says when a transfer ended.
+The blocks are the scheduler's in every state (docs/lifecycle.md): the Scheduler owns this
+tracker; the connector (shared/kv_transfer/connector.py) only says when a transfer ended.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable, Iterator
 
+from pdserve.shared.engine.scheduler_output import RequestView
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
 from pdserve.shared.kv_transfer.params import HeldBlocks, RemotePrefill
 from pdserve.shared.request import Request, RequestStatus
 
 
-class KVTransferScheduling:
-    """The KV-transfer half of `Scheduler` (its queues and its kv_connector)."""
+class KVTransferTracker:
+    """The requests whose blocks a KV transfer holds, and the moves in and out of them.
 
-    kv_cache_manager: KVCacheManager
-    kv_connector: KVConnector | None
-    requests: dict[str, Request]
-    waiting: deque[Request]
-    running: list[Request]
+    Args:
+        kv_cache_manager: the scheduler's block bookkeeping.
+        kv_connector: says which finished requests' blocks wait for a send, and when
+            transfers end; None: no transfers (every method is then a no-op or False).
+    """
 
-    def _init_kv_transfer(self) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, kv_connector: KVConnector | None):
+        self.kv_cache_manager = kv_cache_manager
+        self.kv_connector = kv_connector
         self.finished_sending: dict[str, Request] = {}
         """Finished requests whose blocks the connector holds for a send, by id."""
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         """WAITING_FOR_REMOTE_KVS requests holding their blocks while a receive fills them."""
         self.aborted_recving: dict[str, Request] = {}
         """Requests aborted while a receive was writing their blocks (freed once it ends)."""
-        self.remote_kv_watermark = max(1, self.kv_cache_manager.block_pool.num_gpu_blocks // 100)
+        self.remote_kv_watermark = max(1, kv_cache_manager.block_pool.num_gpu_blocks // 100)
         """Blocks a receive leaves free while requests run (room for their next tokens)."""
 
-    def _allocate_for_remote_kvs(self, request: Request) -> bool:
-        """Hold blocks for the first `num_tokens` tokens of a WAITING_FOR_REMOTE_KVS request:
-        prefix-cache hits first, fresh blocks (cached once received) after. False when the
-        pool cannot hold them now (with the watermark to spare while requests run), even
-        after preempting paused requests."""
+    @property
+    def num_receiving(self) -> int:
+        """WAITING_FOR_REMOTE_KVS requests holding blocks a receive fills (not stepped)."""
+        return len(self.waiting_for_remote_kvs)
+
+    def allocate(self, request: Request, requests_running: bool,
+                 preempt_paused: Callable[[], bool]) -> bool:
+        """Hold blocks for the first `RemotePrefill.num_tokens` tokens of a
+        WAITING_FOR_REMOTE_KVS request: prefix-cache hits first, fresh blocks (cached once
+        received) after. False when the pool cannot hold them now (with the watermark to
+        spare while `requests_running`), even after `preempt_paused()` freed what it could."""
         kv = self.kv_cache_manager
         params = request.kv_transfer_params
         assert isinstance(params, RemotePrefill) and self.kv_connector is not None
@@ -60,10 +69,10 @@ class KVTransferScheduling:
         else:
             num_window_start = 0
         num_new_blocks = -(-num_computed // kv.block_size) - len(hits) - num_window_start
-        spare = self.remote_kv_watermark if self.running else 0
+        spare = self.remote_kv_watermark if requests_running else 0
         while kv.num_free_blocks - num_new_blocks - sum(1 for b in hits if b.ref_cnt == 0) \
                 < spare:
-            if not self.preempt_paused():  # type: ignore[attr-defined]
+            if not preempt_paused():
                 return False
         if num_window_start:
             kv.skip_blocks_before_window(request, num_computed)
@@ -78,7 +87,7 @@ class KVTransferScheduling:
             request, kv.get_block_ids(request.request_id), num_hit_tokens)
         return True
 
-    def _free_finished(self, request: Request) -> None:
+    def free_finished(self, request: Request) -> None:
         """Free a finished request's blocks, unless a transfer still needs them: the
         connector delays a prefill's (its params are then `HeldBlocks`), a receive still
         writing an aborted request's holds them until it ends."""
@@ -97,17 +106,18 @@ class KVTransferScheduling:
             kv.free(request)
             request.kv_transfer_params = None
 
-    def update_from_kv_xfer_finished(self) -> None:
+    def take_finished(self) -> list[Request]:
         """Apply the transfers the connector reports ended: free sent (or aborted, received)
-        requests' blocks; a received request's KV is in place: its tokens are computed, its
-        full blocks cached, and it waits to be scheduled like any request."""
+        requests' blocks. Returns the received requests, now WAITING: their KV is in place,
+        their tokens computed and full blocks cached (the caller queues them)."""
         if self.kv_connector is None or not (self.finished_sending or
                                              self.waiting_for_remote_kvs or self.aborted_recving):
-            return
+            return []
         kv = self.kv_cache_manager
         sent, received = self.kv_connector.get_finished()
         for request_id in sent:
             kv.free(self.finished_sending.pop(request_id))
+        ready = []
         for request_id, ok in received.items():
             if (request := self.aborted_recving.pop(request_id, None)) is not None:
                 kv.free(request)
@@ -120,4 +130,12 @@ class KVTransferScheduling:
                 kv.remove_skipped_blocks(request, num_computed)
                 kv.cache_blocks(request, num_computed)
                 request.status = RequestStatus.WAITING
-                self.waiting.append(request)
+                ready.append(request)
+        return ready
+
+    def views(self) -> Iterator[RequestView]:
+        """Views of the requests whose blocks a transfer holds: sends, then receives."""
+        kv = self.kv_cache_manager
+        yield from (RequestView.of(r, kv, "send") for r in self.finished_sending.values())
+        for held in (self.waiting_for_remote_kvs, self.aborted_recving):
+            yield from (RequestView.of(r, kv, "receive") for r in held.values())

@@ -1,11 +1,17 @@
-"""What the Scheduler hands to the model runner, and what it hands back to the worker."""
+"""What the Scheduler hands to the model runner (built by `StepBatch`), what it hands back
+to the worker, and its read-only views (`Scheduler.request_views`)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.kv_transfer.params import HeldBlocks
-from pdserve.shared.request import FinishReason, Request, TokenLogprobs
+from pdserve.shared.lora.request import LoRARequest
+from pdserve.shared.request import FinishReason, Request, RequestStatus, TokenLogprobs
+
+if TYPE_CHECKING:
+    from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 
 
 class ScheduledRequest(NamedTuple):
@@ -37,6 +43,68 @@ class SchedulerOutput(NamedTuple):
     finished_request_ids: list[str]
     """Requests that finished or were aborted since the previous schedule(): the runner
     may drop any per-request state it keeps for them."""
+
+
+class StepBatch:
+    """One step's batch as `Scheduler.schedule()` builds it (mini-sglang's PrefillAdder):
+    the token budget left (`max_num_batched_tokens`), the prefill budget left (the tokens
+    of chunks of more than one token: `max_prefill_tokens`, else the token budget), and
+    the requests' shares so far."""
+
+    __slots__ = ("config", "kv", "token_budget", "prefill_budget", "scheduled")
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 max_prefill_tokens: int | None):
+        self.config = config
+        self.kv = kv
+        self.token_budget = config.max_num_batched_tokens
+        self.prefill_budget = self.token_budget if max_prefill_tokens is None \
+            else max_prefill_tokens
+        self.scheduled: list[ScheduledRequest] = []
+
+    def fit(self, request: Request, num_computed_tokens: int) -> int:
+        """The tokens `request` computes this step past `num_computed_tokens`: the rest of
+        its known tokens, at most `long_prefill_token_threshold` (when > 0) and the token
+        budget left; a chunk of more than one token at most the prefill budget left (0: it
+        is spent), and debited from it here (a caller that then cannot schedule them ends
+        the step's pass: the prefill budget is not read again)."""
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new_tokens = min(num_new_tokens, threshold)
+        num_new_tokens = min(num_new_tokens, self.token_budget)
+        if num_new_tokens > 1:
+            num_new_tokens = min(num_new_tokens, self.prefill_budget)
+            self.prefill_budget -= num_new_tokens
+        return num_new_tokens
+
+    def add(self, request: Request, num_new_tokens: int, num_spec: int = 0) -> None:
+        """Schedule `num_new_tokens` known tokens of `request` plus `num_spec` of its drafts
+        (the rest dropped): advances `request.num_computed_tokens` past them all and takes
+        them from the token budget. Its blocks must already cover them."""
+        start_pos = request.num_computed_tokens
+        request.num_computed_tokens = start_pos + num_new_tokens + num_spec
+        spec = tuple(request.spec_token_ids[:num_spec]) if num_spec else ()
+        if request.spec_token_ids:
+            request.spec_token_ids = []  # consumed (or stale): the proposer sets new ones
+        self.scheduled.append(ScheduledRequest(
+            request=request, start_pos=start_pos,
+            num_scheduled_tokens=num_new_tokens + num_spec,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sample=start_pos + num_new_tokens == request.num_tokens, spec_token_ids=spec))
+        self.token_budget -= num_new_tokens + num_spec
+
+    def output(self, preempted_request_ids: list[str],
+               finished_request_ids: list[str]) -> SchedulerOutput:
+        """The step's SchedulerOutput, decodes first: the model runner batches the leading
+        single-token rows together."""
+        scheduled = self.scheduled
+        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1 and s.sample]
+        if len(decodes) != len(scheduled):
+            scheduled = decodes + [s for s in scheduled
+                                   if not (s.num_scheduled_tokens == 1 and s.sample)]
+        return SchedulerOutput(scheduled, self.config.max_num_batched_tokens - self.token_budget,
+                               preempted_request_ids, finished_request_ids)
 
 
 class EngineCoreOutput(NamedTuple):
@@ -85,3 +153,31 @@ class SchedulerStats(NamedTuple):
     """Tokens found there."""
     num_paused: int = 0
     """Requests paused by backpressure (`Scheduler.pause_requests`)."""
+
+
+class RequestView(NamedTuple):
+    """One request the scheduler holds, as of the call (a snapshot: nothing in it changes
+    with the request)."""
+
+    request_id: str
+    status: RequestStatus
+    """Unfinished (PAUSED included), or finished and held for a transfer (`kv_transfer`)."""
+    kv_transfer: str
+    """"send": finished, its blocks held for a decode instance to fetch; "receive": its
+    blocks held while a receive writes them (WAITING_FOR_REMOTE_KVS, or aborted meanwhile);
+    "": neither."""
+    block_ids: tuple[int, ...]
+    """Its physical block ids in logical order (0: the null block, out of a window)."""
+    num_cached_tokens: int
+    """-1 until its first admission (`Request.num_cached_tokens`)."""
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    num_tokens: int
+    lora_request: LoRARequest | None
+
+    @classmethod
+    def of(cls, request: Request, kv: KVCacheManager, kv_transfer: str = "") -> RequestView:
+        return cls(request.request_id, request.status, kv_transfer,
+                   tuple(kv.get_block_ids(request.request_id)), request.num_cached_tokens,
+                   request.num_computed_tokens, request.num_prompt_tokens, request.num_tokens,
+                   request.lora_request)

@@ -161,3 +161,27 @@ def test_a_100000_block_snapshot_is_one_byte_per_block():
     counts = count_states(sample.block_states)
     assert counts["num_used_blocks"] == sample.stats.num_used_blocks > 0
     assert counts["num_free_blocks"] == sample.stats.num_free_blocks
+
+
+def test_the_feed_and_the_leak_audit_name_a_block_holder_nobody_owns():
+    from pdserve.services.common.state_feed import feed_op
+    from pdserve.services.common.worker import check_invariants_op, stats_op
+    from pdserve.shared.request import Request
+    from pdserve.shared.sampling_params import SamplingParams
+
+    engine = ChurnEngine(num_blocks=100, seed=6)
+    engine.add(4)
+    engine.step()
+    assert check_invariants_op(engine) == ("", [])
+    sample = feed_op(engine, True, stats_op)
+    assert {r.status for r in sample.requests} <= {"running", "waiting"}
+    paused = next(r.request_id for r in sample.requests if r.status == "running")
+    engine.scheduler.pause_requests([paused])
+    assert [r.request_id for r in feed_op(engine, False, stats_op).requests
+            if r.status == "paused"] == [paused]
+    leaked = Request("leaked", list(range(1, 40)), SamplingParams(max_tokens=1))
+    assert engine.kv_cache_manager.allocate_slots(leaked, 39) is not None
+    assert check_invariants_op(engine) == ("", ["leaked"])
+    held = [r for r in feed_op(engine, False, stats_op).requests if r.status == "held"]
+    assert [(r.request_id, r.block_ids) for r in held] == [
+        ("leaked", engine.kv_cache_manager.get_block_ids("leaked"))]

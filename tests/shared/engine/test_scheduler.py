@@ -81,6 +81,9 @@ def check(scheduler: Scheduler) -> None:
     for r in scheduler.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert r.num_computed_tokens > 0 or kv.get_block_ids(r.request_id) == []
+    # The views cover every unfinished request (what the leak audit and the feed rely on).
+    assert {v.request_id for v in scheduler.request_views()
+            if not RequestStatus.is_finished(v.status)} == set(scheduler.requests)
 
 
 def step(scheduler: Scheduler, runner: FakeRunner):
@@ -450,10 +453,10 @@ def test_connector_holds_a_remote_decodes_blocks_until_its_transfer_is_done():
     assert connector.start_send("a") == [1, 2, 3]  # a FetchKV reads the blocks
     assert connector.close("a") == (True, False)  # released mid-read: not done yet
     sched.update_from_kv_xfer_finished()
-    assert kv.num_free_blocks == 60 and "a" in sched.finished_sending
+    assert kv.num_free_blocks == 60 and "a" in sched.kv_transfers.finished_sending
     assert connector.end_send("a")  # the last reader is done
     sched.update_from_kv_xfer_finished()
-    assert kv.num_free_blocks == 63 and not sched.finished_sending
+    assert kv.num_free_blocks == 63 and not sched.kv_transfers.finished_sending
     kv.check_invariants()
 
 
@@ -536,10 +539,10 @@ def test_a_receive_aborted_mid_write_keeps_its_blocks_until_it_ends():
     sched.add_request(req)
     sched.schedule()
     assert [r.request_id for r in sched.abort_requests(["a"])] == ["a"]
-    assert kv.num_free_blocks == 60 and "a" in sched.aborted_recving  # still written
+    assert kv.num_free_blocks == 60 and "a" in sched.kv_transfers.aborted_recving  # still written
     connector.recv_finished("a", ok=False)
     sched.update_from_kv_xfer_finished()
-    assert kv.num_free_blocks == 63 and not sched.aborted_recving
+    assert kv.num_free_blocks == 63 and not sched.kv_transfers.aborted_recving
     kv.check_invariants()
 
 

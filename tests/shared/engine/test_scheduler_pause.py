@@ -71,7 +71,8 @@ def test_paused_request_is_preempted_first_and_recomputed_with_the_same_tokens()
     assert out.preempted_request_ids == ["a"] and "c" in [s.request.request_id
                                                           for s in out.scheduled]
     a = reqs[0]
-    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    # Paused is a state of its own: preempted while paused, it stays PAUSED (its KV gone).
+    assert a.status == RequestStatus.PAUSED and a.num_computed_tokens == 0
     assert sched.kv_cache_manager.get_block_ids("a") == [] and "a" in sched.paused
     assert reqs[1].num_preemptions == 0
     sched.resume_requests(["a"])
