@@ -7,6 +7,7 @@ import pytest
 
 from pdserve.shared.engine.scheduler_output import RequestView
 from pdserve.shared.kv_transfer.connector import KVConnector
+from pdserve.shared.kv_transfer.params import RemoteDecode, RemotePrefill
 from pdserve.shared.request import RequestStatus
 from tests.shared.engine.test_scheduler import (
     FakeRunner,
@@ -60,11 +61,11 @@ def test_views_show_requests_a_transfer_holds():
     connector = KVConnector()
     sched = make_scheduler(kv_connector=connector)
     sent = make_request("sent", 40, max_tokens=1)
-    sent.kv_transfer_params = {"do_remote_decode": True}
+    sent.kv_transfer_params = RemoteDecode()
     received, aborted = make_request("received", 40), make_request("aborted", 40)
     for req in (received, aborted):
         req.append_output_token(model_token(req))
-        req.kv_transfer_params = {"do_remote_prefill": True, "num_tokens": 40}
+        req.kv_transfer_params = RemotePrefill(num_tokens=40)
         connector.expect_recv(req.request_id, lambda ids, hit: None)
     sched.add_request(sent)
     step(sched, FakeRunner(sched))  # sent: finished, its blocks held for the decode
