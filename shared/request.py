@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.shared.kv_cache.prefix_hash import BlockHash, BlockHasher
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.pooling_params import PoolingParams
 from pdserve.shared.sampling_params import SamplingParams
@@ -104,10 +105,13 @@ class Request:
     structured_output: Any = None
     """A guided request's grammar matcher (shared/structured_output/request.py), set when
     the engine adds it; None for an unguided request."""
-    block_hashes: list[bytes] = field(default_factory=list)
-    """Chained hashes of its first full blocks known before it arrives (a KV handle's,
-    verified against the tokens): the KV cache manager extends them, never hashes those
-    blocks again."""
+    block_hasher: BlockHasher | None = None
+    """The engine's hasher (`prefix_hash.request_block_hasher`), handed at creation or when
+    the engine adds it (`set_block_hasher`); None: not hashed (yet)."""
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chained hashes of its full blocks (vLLM's `Request.block_hashes`): every full block of
+    its known tokens once it has a `block_hasher`, extended as tokens append, so each block
+    is hashed once per engine. The KV cache manager and the KV handle read them."""
     kv_transfer_params: dict[str, Any] | None = None
     """KV transfer (shared/kv_transfer/connector.py), as vLLM's: set by the service,
     {"do_remote_decode": True} asks that a prefill's blocks wait for a decode instance; once
@@ -128,6 +132,26 @@ class Request:
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs under (shared/lora/); None: the base model. Its name enters
     the first block's hash, so its KV is never served to another adapter or the base."""
+
+    def __post_init__(self) -> None:
+        self.update_block_hashes()
+
+    def set_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Hash its full blocks with `block_hasher`, now and as tokens append."""
+        self.block_hasher = block_hasher
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Hash the full blocks not hashed yet (none without a `block_hasher`)."""
+        if self.block_hasher is not None:
+            self.block_hashes.extend(self.block_hasher(self))
+
+    def set_rope_long(self) -> None:
+        """Compute its KV with longrope's long factors from now on: its blocks hash apart
+        from short ones (`prefix_hash.block_extra_keys`), so they are hashed again."""
+        self.rope_long = True
+        self.block_hashes = []
+        self.update_block_hashes()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -164,6 +188,8 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+        if self.block_hasher is not None:
+            self.block_hashes.extend(self.block_hasher(self))
 
     @property
     def is_finished(self) -> bool:

@@ -91,7 +91,7 @@ class KVTransferScheduling:
                          if self.kv_connector is not None else (False, None))
         if delay:
             assert params is not None
-            params["block_hashes"] = kv.get_block_hashes(request)[
+            params["block_hashes"] = request.block_hashes[
                 :request.num_prompt_tokens // kv.block_size]
             self.finished_sending[request_id] = request
         else:

@@ -32,14 +32,22 @@ tests/shared/kv_cache/test_prefix_hash.py make that a deliberate, visible edit.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
+
+if TYPE_CHECKING:
+    from pdserve.shared.request import Request
 
 BlockHash = bytes
 """16 bytes: the xxh3-128 digest (seed 0) of a block's canonical encoding."""
 
 ExtraKey = str | bytes | int
+
+BlockHasher = Callable[["Request"], list[BlockHash]]
+"""request -> the hashes of its full blocks past `request.block_hashes` (vLLM's
+`get_request_block_hasher`; `Request.update_block_hashes` calls it)."""
 
 HASH_SEED = 0
 BLOCK_HASH_NUM_BYTES = 16
@@ -130,3 +138,29 @@ def block_extra_keys(model_name: str, cache_salt: str | None,
     if lora_name is not None:
         keys += (b"lora=" + lora_name.encode("utf-8"),)
     return keys
+
+
+def request_block_hasher(block_size: int, model_name: str, quantization: str = "none"
+                         ) -> BlockHasher:
+    """The hasher an engine hands its requests: it hashes a request's full blocks that
+    `request.block_hashes` lacks, chained on its last hash, the first block with
+    `block_extra_keys` (the model, the request's salt, this quantization, its `rope_long` and
+    its LoRA adapter). O(new full blocks) per call: nothing once every block is hashed."""
+
+    def hash_new_full_blocks(request: Request) -> list[BlockHash]:
+        hashes = request.block_hashes
+        start, end = len(hashes), request.num_tokens // block_size
+        new: list[BlockHash] = []
+        parent = hashes[-1] if hashes else NONE_HASH
+        for i in range(start, end):
+            extra: tuple[ExtraKey, ...] = ()
+            if i == 0:
+                lora = request.lora_request
+                extra = block_extra_keys(model_name, request.cache_salt, quantization,
+                                         request.rope_long, lora and lora.lora_name)
+            parent = hash_block_tokens(
+                parent, request.token_slice(i * block_size, (i + 1) * block_size), extra)
+            new.append(parent)
+        return new
+
+    return hash_new_full_blocks
