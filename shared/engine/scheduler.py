@@ -7,8 +7,8 @@ the scheduler's, until the connector reports its transfer done; see docs/lifecyc
 One engine step (synchronous, one step in flight at a time):
 
     out = scheduler.schedule()                        # pick tokens, allocate blocks
-    sampled = model_runner.execute_model(out)         # {request_id: (token_id, logprobs)}
-    deltas = scheduler.update_from_output(out, sampled)   # append tokens, stop, free
+    runner_output = model_runner.execute_model(out)   # ModelRunnerOutput
+    deltas = scheduler.update_from_output(out, runner_output)   # append tokens, stop, free
 
 Call `add_request` / `abort_requests` between steps, not between `schedule()` and
 `update_from_output()`. (An abort in between is tolerated: the step's result for that
@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.engine.longrope import switch_to_long_rope
+from pdserve.shared.engine.model_runner_output import ModelRunnerOutput
 from pdserve.shared.engine.scheduler_kv_transfer import KVTransferScheduling
 from pdserve.shared.engine.scheduler_output import (
     EngineCoreOutput,
@@ -92,15 +93,18 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         """Queue `request` at the back of the waiting queue (validated by the caller:
         `EngineCore.add_request` runs `scheduling_policy.validate_request`).
 
-        A request that arrives with `num_computed_tokens > 0` must already hold blocks for
-        those tokens in `kv_cache_manager` (KV written by a transfer); it is admitted
-        without a prefix-cache lookup and computes only the rest.
+        One without a `block_hasher` is handed the KV cache manager's (its full blocks are
+        hashed now, once). A request that arrives with `num_computed_tokens > 0` must
+        already hold blocks for those tokens in `kv_cache_manager` (KV written by a
+        transfer); it is admitted without a prefix-cache lookup and computes only the rest.
 
         Raises:
             ValueError: duplicate request_id.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.block_hasher is None:
+            request.set_block_hasher(self.kv_cache_manager.block_hasher)
         params = request.kv_transfer_params
         request.status = (RequestStatus.WAITING_FOR_REMOTE_KVS
                           if params and params.get("do_remote_prefill")
@@ -295,14 +299,15 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, tuple],
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
     ) -> list[EngineCoreOutput]:
-        """Append each sampled token, apply the stop rules, finish what stopped.
+        """Record the step's prompt logprobs, append each sampled token, apply the stop
+        rules, finish what stopped.
 
         Args:
             scheduler_output: the output of the preceding `schedule()`.
-            sampled: request_id -> (token_id, TokenLogprobs | None) for every scheduled
-                request with `sample=True`; other entries are ignored.
+            model_runner_output: the step's results: samples for every scheduled request
+                with `sample=True` (other entries are ignored), prompt logprobs.
 
         Returns:
             One delta per request that got a token, in scheduled order.
@@ -313,6 +318,13 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         max_model_len = self.scheduler_config.max_model_len
         deltas = []
         any_finished = False
+        for request_id, (first_pos, chunk) in model_runner_output.prompt_logprobs.items():
+            if (target := self.requests.get(request_id)) is None:
+                continue  # aborted since schedule()
+            if target.prompt_logprobs is None:  # the step that started it at position 0
+                target.prompt_logprobs = [None] * target.num_prompt_tokens
+            target.prompt_logprobs[first_pos + 1:first_pos + 1 + len(chunk)] = chunk
+        index = {request_id: i for i, request_id in enumerate(model_runner_output.req_ids)}
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if not scheduled.sample or request.is_finished:
@@ -322,15 +334,17 @@ class Scheduler(RequestPausing, KVTransferScheduling):
                 self._finish(request)
                 any_finished = True
                 continue
-            entry = sampled.get(request.request_id)
-            if entry is None:
+            i = index.get(request.request_id)
+            if i is None:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
+            token_ids = model_runner_output.sampled_token_ids[i]
             if scheduled.spec_token_ids:
                 new_token_ids, new_logprobs, status, stop_reason = append_draft_samples(
-                    request, scheduled.spec_token_ids, entry, self.kv_cache_manager,
+                    request, scheduled.spec_token_ids, token_ids,
+                    model_runner_output.logprobs[i], self.kv_cache_manager,
                     self.spec_decoding_stats, max_model_len)
             else:
-                token_id, logprobs = entry
+                token_id, logprobs = token_ids[0], model_runner_output.logprobs[i][0]
                 request.append_output_token(token_id, logprobs)
                 status, stop_reason = check_stop(request, max_model_len)
                 new_token_ids = [token_id]
