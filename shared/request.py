@@ -99,7 +99,8 @@ class Request:
     """The stop token id that finished the request, if any."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With `sampling_params.prompt_logprobs`: one entry per prompt token, entry 0 None,
-    filled by the model runner as the prompt is computed (shared/engine/prompt_logprobs.py)."""
+    filled as the prompt is computed (`add_prompt_logprobs`, by the scheduler from the model
+    runner's output; shared/engine/prompt_logprobs.py)."""
     prompt_logprobs_sent: bool = False
     """The scheduler handed `prompt_logprobs` out (with the first output)."""
     structured_output: Any = None
@@ -188,8 +189,14 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
-        if self.block_hasher is not None:
-            self.block_hashes.extend(self.block_hasher(self))
+        self.update_block_hashes()
+
+    def add_prompt_logprobs(self, first_pos: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the prompt logprobs of positions first_pos + 1 on (`prompt_logprobs` is
+        created by the step that starts the prompt at position 0)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        self.prompt_logprobs[first_pos + 1:first_pos + 1 + len(logprobs)] = logprobs
 
     @property
     def is_finished(self) -> bool:

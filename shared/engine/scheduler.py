@@ -39,7 +39,7 @@ from pdserve.shared.engine.scheduling_policy import (
     prefill_urgency,
     priority_key,
 )
-from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
+from pdserve.shared.engine.spec_decode.scheduling import append_sampled_tokens, num_spec_tokens
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
@@ -93,17 +93,16 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         """Queue `request` at the back of the waiting queue (validated by the caller:
         `EngineCore.add_request` runs `scheduling_policy.validate_request`).
 
-        One without a `block_hasher` is handed the KV cache manager's (its full blocks are
-        hashed now, once). A request that arrives with `num_computed_tokens > 0` must
-        already hold blocks for those tokens in `kv_cache_manager` (KV written by a
-        transfer); it is admitted without a prefix-cache lookup and computes only the rest.
+        A request that arrives with `num_computed_tokens > 0` must already hold blocks for
+        those tokens in `kv_cache_manager` (KV written by a transfer); it is admitted
+        without a prefix-cache lookup and computes only the rest.
 
         Raises:
             ValueError: duplicate request_id.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
-        if request.block_hasher is None:
+        if request.block_hasher is None:  # hashed now, once (EngineCore hands it earlier)
             request.set_block_hasher(self.kv_cache_manager.block_hasher)
         params = request.kv_transfer_params
         request.status = (RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -301,8 +300,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
     ) -> list[EngineCoreOutput]:
-        """Record the step's prompt logprobs, append each sampled token, apply the stop
-        rules, finish what stopped.
+        """Record prompt logprobs, append sampled tokens, apply the stop rules, finish.
 
         Args:
             scheduler_output: the output of the preceding `schedule()`.
@@ -319,11 +317,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         deltas = []
         any_finished = False
         for request_id, (first_pos, chunk) in model_runner_output.prompt_logprobs.items():
-            if (target := self.requests.get(request_id)) is None:
-                continue  # aborted since schedule()
-            if target.prompt_logprobs is None:  # the step that started it at position 0
-                target.prompt_logprobs = [None] * target.num_prompt_tokens
-            target.prompt_logprobs[first_pos + 1:first_pos + 1 + len(chunk)] = chunk
+            if (target := self.requests.get(request_id)) is not None:  # else: aborted
+                target.add_prompt_logprobs(first_pos, chunk)
         index = {request_id: i for i, request_id in enumerate(model_runner_output.req_ids)}
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -337,18 +332,10 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             i = index.get(request.request_id)
             if i is None:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
-            token_ids = model_runner_output.sampled_token_ids[i]
-            if scheduled.spec_token_ids:
-                new_token_ids, new_logprobs, status, stop_reason = append_draft_samples(
-                    request, scheduled.spec_token_ids, token_ids,
-                    model_runner_output.logprobs[i], self.kv_cache_manager,
-                    self.spec_decoding_stats, max_model_len)
-            else:
-                token_id, logprobs = token_ids[0], model_runner_output.logprobs[i][0]
-                request.append_output_token(token_id, logprobs)
-                status, stop_reason = check_stop(request, max_model_len)
-                new_token_ids = [token_id]
-                new_logprobs = [logprobs] if logprobs is not None else []
+            new_token_ids, new_logprobs, status, stop_reason = append_sampled_tokens(
+                request, scheduled.spec_token_ids, model_runner_output.sampled_token_ids[i],
+                model_runner_output.logprobs[i], self.kv_cache_manager,
+                self.spec_decoding_stats, max_model_len)
             if status is not None:
                 request.status = status
                 request.stop_reason = stop_reason

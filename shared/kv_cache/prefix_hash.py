@@ -106,13 +106,15 @@ def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: Sequence[ExtraKey] = (),
+    parent_block_hash: BlockHash = NONE_HASH,
 ) -> list[BlockHash]:
-    """The chained hashes of every *full* block of `token_ids` (a partial tail is skipped).
+    """The chained hashes of every *full* block of `token_ids` (a partial tail is skipped),
+    the first chained on `parent_block_hash` (a sequence's first block: `NONE_HASH`).
 
     `extra_keys` enter the first block only; the chain carries them to later blocks.
     """
     hashes: list[BlockHash] = []
-    parent = NONE_HASH
+    parent = parent_block_hash
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start:start + block_size],
                                    extra_keys if start == 0 else ())
@@ -149,18 +151,15 @@ def request_block_hasher(block_size: int, model_name: str, quantization: str = "
 
     def hash_new_full_blocks(request: Request) -> list[BlockHash]:
         hashes = request.block_hashes
-        start, end = len(hashes), request.num_tokens // block_size
-        new: list[BlockHash] = []
-        parent = hashes[-1] if hashes else NONE_HASH
-        for i in range(start, end):
-            extra: tuple[ExtraKey, ...] = ()
-            if i == 0:
-                lora = request.lora_request
-                extra = block_extra_keys(model_name, request.cache_salt, quantization,
-                                         request.rope_long, lora and lora.lora_name)
-            parent = hash_block_tokens(
-                parent, request.token_slice(i * block_size, (i + 1) * block_size), extra)
-            new.append(parent)
-        return new
+        start, end = len(hashes) * block_size, request.num_tokens // block_size * block_size
+        if end <= start:
+            return []
+        if hashes:
+            return hash_request_tokens(request.token_slice(start, end), block_size,
+                                       parent_block_hash=hashes[-1])
+        lora = request.lora_request
+        return hash_request_tokens(request.token_slice(0, end), block_size, block_extra_keys(
+            model_name, request.cache_salt, quantization, request.rope_long,
+            lora and lora.lora_name))
 
     return hash_new_full_blocks
