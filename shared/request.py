@@ -127,9 +127,6 @@ class Request:
     pooling_params: PoolingParams | None = None
     """A pooling (embedding) request: prefill only, finished with `pooled` instead of a
     token (shared/pooling_params.py); None: a generate request."""
-    pooled: Any = None
-    """A pooling request's pooled hidden state, written by the model runner (a MEAN
-    request's running sum until its last chunk; shared/engine/pooler.py)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs under (shared/lora/); None: the base model. Its name enters
     the first block's hash, so its KV is never served to another adapter or the base."""

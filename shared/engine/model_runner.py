@@ -123,6 +123,8 @@ class ModelRunner:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
         self.sampler = Sampler(seed=model_config.seed)
+        self.pooling_states: dict[str, torch.Tensor] = {}
+        """Pooling requests' state between prompt chunks (shared/engine/pooler.py)."""
         self.cuda_graph_runner: CUDAGraphRunner | None = None
         """Replays pure-decode steps from CUDA graphs; None: every step runs eagerly."""
         # NOTE: the torch backend's per-step host indices cannot be captured, nor can the
@@ -205,21 +207,24 @@ class ModelRunner:
     def execute_model(self, scheduler_output) -> ModelRunnerOutput:
         """Run one step: the samples of the requests that sample (their drafts' included)
         and the prompt logprobs of the scheduled prompt positions of requests asking for
-        them (shared/engine/prompt_logprobs.py). Writes into no request; a pooling request's
-        pooled state is the exception (shared/engine/pooler.py)."""
+        them (shared/engine/prompt_logprobs.py), the pooled vectors of pooling requests
+        whose prompt it completes (shared/engine/pooler.py). Writes into no request."""
+        for request_id in scheduler_output.finished_request_ids:  # aborted mid-prompt
+            self.pooling_states.pop(request_id, None)
         if not scheduler_output.scheduled:
             return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self.prepare_inputs(scheduler_output.scheduled)
         with (self.lora_manager.step(scheduler_output.scheduled) if self.lora_manager
               else contextlib.nullcontext()):
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        if has_pooling(scheduler_output.scheduled):
-            pool_step(self.model.norm, hidden, scheduler_output.scheduled)
+        pooler_output = (pool_step(self.model.norm, hidden, scheduler_output.scheduled,
+                                   self.pooling_states)
+                         if has_pooling(scheduler_output.scheduled) else {})
         prompt_logprobs = (compute_prompt_logprobs(self.model.compute_logits, hidden,
                                                    inputs.prompt_logprobs_jobs)
                            if inputs.prompt_logprobs_jobs else {})
         if not inputs.sampled_requests:
-            return ModelRunnerOutput([], [], [], prompt_logprobs)
+            return ModelRunnerOutput([], [], [], prompt_logprobs, pooler_output)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         rows, draft_rows = inputs.sampled_requests, inputs.draft_rows
         if draft_rows is not None:
@@ -237,7 +242,7 @@ class ModelRunner:
             sampled_token_ids = [[token_id] for token_id in out.sampled_token_ids]
             logprobs = [[lp] for lp in out.logprobs]
         return ModelRunnerOutput([r.request_id for r in inputs.sampled_requests],
-                                 sampled_token_ids, logprobs, prompt_logprobs)
+                                 sampled_token_ids, logprobs, prompt_logprobs, pooler_output)
 
 
 def use_long_rows(positions: torch.Tensor, scheduled: list, query_start_loc: np.ndarray,

@@ -1,14 +1,17 @@
 """ModelRunnerOutput: one model-runner step's results, one record (vLLM's v1 `outputs.py`).
 
-Torch-free: the scheduler applies it to the requests it owns (`update_from_output`); the
-runner never writes into a `Request`.
+Torch-free (a pooled vector aside): the scheduler applies it to the requests it owns
+(`update_from_output`); the runner never writes into a `Request`.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.shared.request import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PromptLogprobs(NamedTuple):
@@ -36,6 +39,9 @@ class ModelRunnerOutput(NamedTuple):
     prompt_logprobs: dict[str, PromptLogprobs]
     """request_id -> the prompt positions' logprobs computed this step (requests that ask
     for them, until they are handed out)."""
+    pooler_output: dict[str, torch.Tensor]
+    """request_id -> the pooled vector ([hidden_size] fp32, CPU) of each pooling request
+    whose prompt this step completes (shared/engine/pooler.py)."""
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [], {})
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], [], [], {}, {})

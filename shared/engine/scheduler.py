@@ -313,7 +313,6 @@ class Scheduler(RequestPausing, KVTransferScheduling):
         Raises:
             ValueError: a request scheduled with `sample=True` got no token.
         """
-        max_model_len = self.scheduler_config.max_model_len
         deltas = []
         any_finished = False
         for request_id, (first_pos, chunk) in model_runner_output.prompt_logprobs.items():
@@ -325,7 +324,8 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             if not scheduled.sample or request.is_finished:
                 continue  # a prefill chunk, or aborted since schedule()
             if request.pooling_params is not None:  # prefill only: done, with its pooled state
-                deltas.append(finish_pooling(request))  # FINISHED_STOPPED, no token
+                deltas.append(finish_pooling(  # FINISHED_STOPPED, no token
+                    request, model_runner_output.pooler_output[request.request_id]))
                 self._finish(request)
                 any_finished = True
                 continue
@@ -335,7 +335,7 @@ class Scheduler(RequestPausing, KVTransferScheduling):
             new_token_ids, new_logprobs, status, stop_reason = append_sampled_tokens(
                 request, scheduled.spec_token_ids, model_runner_output.sampled_token_ids[i],
                 model_runner_output.logprobs[i], self.kv_cache_manager,
-                self.spec_decoding_stats, max_model_len)
+                self.spec_decoding_stats, self.scheduler_config.max_model_len)
             if status is not None:
                 request.status = status
                 request.stop_reason = stop_reason

@@ -44,7 +44,8 @@ def runner_output(sampled: dict[str, int | list[int]]) -> ModelRunnerOutput:
     """A ModelRunnerOutput without logprobs: request_id -> its token (or, scored with
     drafts, its tokens)."""
     token_ids = [t if isinstance(t, list) else [t] for t in sampled.values()]
-    return ModelRunnerOutput(list(sampled), token_ids, [[None] * len(t) for t in token_ids], {})
+    return ModelRunnerOutput(list(sampled), token_ids, [[None] * len(t) for t in token_ids],
+                             {}, {})
 
 
 def model_token(request: Request) -> int:
