@@ -105,12 +105,15 @@ class LLM:
                 rid = str(next(self._counter))
                 out = RequestOutput(rid, text, ids)
                 outputs[rid] = out
+                hashes: list[bytes] = []  # the n choices share the prompt's, hashed once
                 for index in range(sp.n):
                     child = dataclasses.replace(sp, n=1)
                     if sp.seed is not None:
                         child.seed = sp.seed + index
                     req = Request(f"{rid}-{index}", ids, child, eos_token_id=self.eos_token_id,
-                                  lora_request=lora)
+                                  lora_request=lora, block_hashes=list(hashes),
+                                  block_hasher=self.engine.kv_cache_manager.block_hasher)
+                    hashes = req.block_hashes
                     self.engine.add_request(req)
                     added.append(req.request_id)
                     requests[req.request_id] = (out, index, req)

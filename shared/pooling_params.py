@@ -116,7 +116,7 @@ def uses_prefix_hits(request: Any) -> bool:
     return params is None or params.uses_prefix_cache
 
 
-def finish_pooling(request: Any):
+def finish_pooling(request: Any, pooled: Any):
     """Mark a pooling request whose prompt is computed FINISHED_STOPPED; returns its
     EngineCoreOutput (its `pooled` vector, no token). The scheduler frees it after."""
     from pdserve.shared.engine.scheduler_output import EngineCoreOutput
@@ -126,4 +126,4 @@ def finish_pooling(request: Any):
     return EngineCoreOutput(
         request_id=request.request_id, new_token_ids=[], new_logprobs=[],
         finish_reason=request.finish_reason, stop_reason=None,
-        num_cached_tokens=max(request.num_cached_tokens, 0), pooled=request.pooled)
+        num_cached_tokens=max(request.num_cached_tokens, 0), pooled=pooled)

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.shared.kv_cache.prefix_hash import BlockHash, BlockHasher
 from pdserve.shared.kv_transfer.params import HeldBlocks, RemoteDecode, RemotePrefill
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.pooling_params import PoolingParams
@@ -104,16 +105,20 @@ class Request:
     """The stop token id that finished the request, if any."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """With `sampling_params.prompt_logprobs`: one entry per prompt token, entry 0 None,
-    filled by the model runner as the prompt is computed (shared/engine/prompt_logprobs.py)."""
+    filled as the prompt is computed (`add_prompt_logprobs`, by the scheduler from the model
+    runner's output; shared/engine/prompt_logprobs.py)."""
     prompt_logprobs_sent: bool = False
     """The scheduler handed `prompt_logprobs` out (with the first output)."""
     structured_output: Any = None
     """A guided request's grammar matcher (shared/structured_output/request.py), set when
     the engine adds it; None for an unguided request."""
-    block_hashes: list[bytes] = field(default_factory=list)
-    """Chained hashes of its first full blocks known before it arrives (a KV handle's,
-    verified against the tokens): the KV cache manager extends them, never hashes those
-    blocks again."""
+    block_hasher: BlockHasher | None = None
+    """The engine's hasher (`prefix_hash.request_block_hasher`), handed at creation or when
+    the engine adds it (`set_block_hasher`); None: not hashed (yet)."""
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    """Chained hashes of its full blocks (vLLM's `Request.block_hashes`): every full block of
+    its known tokens once it has a `block_hasher`, extended as tokens append, so each block
+    is hashed once per engine. The KV cache manager and the KV handle read them."""
     kv_transfer_params: RemoteDecode | RemotePrefill | HeldBlocks | None = None
     """KV transfer (shared/kv_transfer/params.py), as vLLM's: set by the service,
     `RemoteDecode` asks that a prefill's blocks wait for a decode instance (once finished,
@@ -128,12 +133,29 @@ class Request:
     pooling_params: PoolingParams | None = None
     """A pooling (embedding) request: prefill only, finished with `pooled` instead of a
     token (shared/pooling_params.py); None: a generate request."""
-    pooled: Any = None
-    """A pooling request's pooled hidden state, written by the model runner (a MEAN
-    request's running sum until its last chunk; shared/engine/pooler.py)."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter it runs under (shared/lora/); None: the base model. Its name enters
     the first block's hash, so its KV is never served to another adapter or the base."""
+
+    def __post_init__(self) -> None:
+        self.update_block_hashes()
+
+    def set_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Hash its full blocks with `block_hasher`, now and as tokens append."""
+        self.block_hasher = block_hasher
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        """Hash the full blocks not hashed yet (none without a `block_hasher`)."""
+        if self.block_hasher is not None:
+            self.block_hashes.extend(self.block_hasher(self))
+
+    def set_rope_long(self) -> None:
+        """Compute its KV with longrope's long factors from now on: its blocks hash apart
+        from short ones (`prefix_hash.block_extra_keys`), so they are hashed again."""
+        self.rope_long = True
+        self.block_hashes = []
+        self.update_block_hashes()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -170,6 +192,14 @@ class Request:
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+        self.update_block_hashes()
+
+    def add_prompt_logprobs(self, first_pos: int, logprobs: list[TokenLogprobs]) -> None:
+        """Record the prompt logprobs of positions first_pos + 1 on (`prompt_logprobs` is
+        created by the step that starts the prompt at position 0)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
+        self.prompt_logprobs[first_pos + 1:first_pos + 1 + len(logprobs)] = logprobs
 
     @property
     def is_finished(self) -> bool:

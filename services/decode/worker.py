@@ -1,7 +1,7 @@
 """DecodeWorker: decode a prefilled request in the batch, pulling the KV it lacks first.
 
     Generate(request, handle)
-      │ make_request: EngineCore.validate_request; check_handle (hashes verified, reused)
+      │ make_request: EngineCore.validate_request, block hashes; check_handle (verified)
       ▼
     engine request, kv_transfer_params=RemotePrefill(num_tokens=N):
       │ WAITING_FOR_REMOTE_KVS in the scheduler, which allocates its blocks in its own
@@ -40,7 +40,6 @@ from pdserve.services.common.state_feed import TransferView
 from pdserve.services.common.worker import EngineWorker
 from pdserve.services.decode.kv_fetcher import KVFetcher
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
-from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
 from pdserve.shared.kv_transfer.params import KVHandle, RemotePrefill
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import FinishReason, Request
@@ -91,7 +90,8 @@ class DecodeWorker(EngineWorker):
         request = Request(request_id, list(prompt_token_ids), params,
                           eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                           output_token_ids=list(output_token_ids),
-                          lora_request=lora_request)
+                          lora_request=lora_request,
+                          block_hasher=self.engine_core.kv_cache_manager.block_hasher)
         self.engine_core.validate_request(request)
         if params.structured_outputs is not None:  # compiles while the KV arrives
             self.engine_core.structured_output.grammar(params.structured_outputs)
@@ -127,19 +127,15 @@ class DecodeWorker(EngineWorker):
         # NOTE: longrope: the prefill instance computed a prompt longer than the original
         # length with the long factors (shared/engine/longrope.py), and hashed it so.
         original = self.engine_core.scheduler.longrope_original
-        rope_long = original is not None and num_tokens > original
-        lora = request.lora_request
-        expected = hash_request_tokens(request.token_slice(0, num_tokens), bs,
-                                       block_extra_keys(self.model_name, request.cache_salt,
-                                                        self.quantization, rope_long,
-                                                        lora and lora.lora_name))
+        if original is not None and num_tokens > original and not request.rope_long:
+            request.set_rope_long()
+        # NOTE: the request hashed its blocks when it was made (once: docs/lifecycle.md).
+        expected = request.block_hashes[:num_tokens // bs]
         if list(handle.block_hashes) != expected:
             i = next((i for i, (a, b) in enumerate(zip(handle.block_hashes, expected)) if a != b),
                      min(len(handle.block_hashes), len(expected)))
             raise ValueError(f"kv_transfer_params.block_hashes: block {i} does not match the "
                              "prompt (another prompt, model or cache_salt)")
-        request.block_hashes = expected  # verified: the KV cache manager hashes no more
-        request.rope_long = rope_long
 
     async def generate(self, request: Request,
                        handle: KVHandle | None) -> AsyncIterator[EngineCoreOutput]:

@@ -187,6 +187,8 @@ class EngineCore:
         it runs once per request."""
         if not validated:
             self.validate_request(request)
+        if request.block_hasher is None:  # hashed once, before the TTFT check reads them
+            request.set_block_hasher(self.kv_cache_manager.block_hasher)
         if request.lora_request is not None:
             self._lora_manager().check_request(request.lora_request, self._loras_in_use())
         self.check_ttft_reachable(request)
@@ -272,7 +274,6 @@ class EngineCore:
                         predicted, budget.slo_ttft_s, alone or 0.0)
             return
         self.num_ttft_rejected += 1
-        self.kv_cache_manager.free(request)  # forget its memoized block hashes
         raise TTFTUnreachableError(request.request_id, predicted, budget.slo_ttft_s)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
@@ -351,7 +352,7 @@ class EngineCore:
             return []
         self.last_scheduler_output = scheduler_output
         try:
-            sampled = self.model_runner.execute_model(scheduler_output)
+            runner_output = self.model_runner.execute_model(scheduler_output)
         finally:
             self._last_step_end_ns = time.monotonic_ns()
         if budget is not None:
@@ -366,7 +367,7 @@ class EngineCore:
         if self.aborts_arrived:
             self.num_prompt_tokens_after_abort += num_prompt_tokens_of(
                 scheduler_output, self.aborts_arrived)
-        deltas = self.scheduler.update_from_output(scheduler_output, sampled)
+        deltas = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.drafter is not None:
             assert self.speculative_config is not None
             propose_drafts(self.drafter, self.speculative_config, self.scheduler.running,

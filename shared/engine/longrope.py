@@ -19,12 +19,11 @@ from pdserve.shared.request import Request
 
 def switch_to_long_rope(request: Request, original: int, kv_cache_manager: KVCacheManager
                         ) -> None:
-    """Make `request` long if it is longer than `original` and not long yet: free its blocks
-    (and the hashes memoized or received for them: short ones) and reset its computed tokens
-    to 0. A no-op otherwise (per scheduled request and step, for longrope models only)."""
+    """Make `request` long if it is longer than `original` and not long yet: free its blocks,
+    reset its computed tokens to 0 and hash it anew (`Request.set_rope_long`). A no-op
+    otherwise (per scheduled request and step, for longrope models only)."""
     if request.rope_long or request.num_tokens <= original:
         return
     kv_cache_manager.free(request)
     request.num_computed_tokens = 0
-    request.block_hashes = []
-    request.rope_long = True
+    request.set_rope_long()

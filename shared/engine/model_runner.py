@@ -16,6 +16,10 @@ from pdserve.kernels.attn_metadata import AttentionMetadata, build_attn_metadata
 from pdserve.shared.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from pdserve.shared.engine.attention import PagedAttention
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
+from pdserve.shared.engine.model_runner_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+)
 from pdserve.shared.engine.pooler import has_pooling, pool_step
 from pdserve.shared.engine.prompt_logprobs import (
     PromptLogprobsJob,
@@ -32,7 +36,7 @@ from pdserve.shared.lora.model_manager import LoRAModelManager
 from pdserve.shared.models.llama import LlamaArgs
 from pdserve.shared.models.loader import load_model
 from pdserve.shared.models.rotary import LongRows
-from pdserve.shared.request import TokenLogprobs
+from pdserve.shared.request import Request
 from pdserve.shared.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -73,7 +77,9 @@ class PreparedInputs(NamedTuple):
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     """[num_sampled] int64: the batch row of each request's last token that samples."""
-    sampled_requests: list
+    sampled_requests: list[Request]
+    """The requests that sample this step, in batch order (one per `logits_indices` entry
+    without drafts)."""
     prompt_logprobs_jobs: list[PromptLogprobsJob]
     """Prompt positions whose logprobs this step computes (requests asking for them)."""
     draft_rows: DraftRows | None = None
@@ -117,6 +123,8 @@ class ModelRunner:
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
         self.sampler = Sampler(seed=model_config.seed)
+        self.pooling_states: dict[str, torch.Tensor] = {}
+        """Pooling requests' state between prompt chunks (shared/engine/pooler.py)."""
         self.cuda_graph_runner: CUDAGraphRunner | None = None
         """Replays pure-decode steps from CUDA graphs; None: every step runs eagerly."""
         # NOTE: the torch backend's per-step host indices cannot be captured, nor can the
@@ -196,24 +204,27 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, attn)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Run one step; returns request_id -> (sampled token, logprobs) for sampling rows.
-
-        Prompt logprobs of the scheduled prompt positions are written into the requests
-        themselves (`Request.prompt_logprobs`, see shared/engine/prompt_logprobs.py)."""
+    def execute_model(self, scheduler_output) -> ModelRunnerOutput:
+        """Run one step: the samples of the requests that sample (their drafts' included)
+        and the prompt logprobs of the scheduled prompt positions of requests asking for
+        them (shared/engine/prompt_logprobs.py), the pooled vectors of pooling requests
+        whose prompt it completes (shared/engine/pooler.py). Writes into no request."""
+        for request_id in scheduler_output.finished_request_ids:  # aborted mid-prompt
+            self.pooling_states.pop(request_id, None)
         if not scheduler_output.scheduled:
-            return {}
+            return EMPTY_MODEL_RUNNER_OUTPUT
         inputs = self.prepare_inputs(scheduler_output.scheduled)
         with (self.lora_manager.step(scheduler_output.scheduled) if self.lora_manager
               else contextlib.nullcontext()):
             hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        if has_pooling(scheduler_output.scheduled):
-            pool_step(self.model.norm, hidden, scheduler_output.scheduled)
-        if inputs.prompt_logprobs_jobs:
-            compute_prompt_logprobs(self.model.compute_logits, hidden,
-                                    inputs.prompt_logprobs_jobs)
+        pooler_output = (pool_step(self.model.norm, hidden, scheduler_output.scheduled,
+                                   self.pooling_states)
+                         if has_pooling(scheduler_output.scheduled) else {})
+        prompt_logprobs = (compute_prompt_logprobs(self.model.compute_logits, hidden,
+                                                   inputs.prompt_logprobs_jobs)
+                           if inputs.prompt_logprobs_jobs else {})
         if not inputs.sampled_requests:
-            return {}
+            return ModelRunnerOutput([], [], [], prompt_logprobs, pooler_output)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         rows, draft_rows = inputs.sampled_requests, inputs.draft_rows
         if draft_rows is not None:
@@ -225,9 +236,13 @@ class ModelRunner:
         out = self.sampler(logits, metadata)
         self.structured_output.accept_tokens(rows, out.sampled_token_ids)
         if draft_rows is not None:
-            return group_draft_samples(draft_rows, out.sampled_token_ids, out.logprobs)
-        return {req.request_id: (tok, lp) for req, tok, lp in
-                zip(inputs.sampled_requests, out.sampled_token_ids, out.logprobs)}
+            sampled_token_ids, logprobs = group_draft_samples(draft_rows, out.sampled_token_ids,
+                                                              out.logprobs)
+        else:
+            sampled_token_ids = [[token_id] for token_id in out.sampled_token_ids]
+            logprobs = [[lp] for lp in out.logprobs]
+        return ModelRunnerOutput([r.request_id for r in inputs.sampled_requests],
+                                 sampled_token_ids, logprobs, prompt_logprobs, pooler_output)
 
 
 def use_long_rows(positions: torch.Tensor, scheduled: list, query_start_loc: np.ndarray,

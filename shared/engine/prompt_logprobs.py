@@ -5,10 +5,12 @@ Computed by the model runner in the steps that compute the prompt's KV: for a re
 asks for them, the hidden state of every scheduled prompt position `p < num_prompt_tokens - 1`
 goes through the LM head, `log_softmax` in fp32 over the raw logits (no temperature,
 penalties or truncation, as vLLM v1's default logprobs mode), and the entry of token
-`prompt[p + 1]` is gathered. Results land in `request.prompt_logprobs[p + 1]`; entry 0 stays
-None (the first token has no context). Chunked prefill fills the list chunk by chunk; a
-recompute after a preemption before they were handed out overwrites entries with the same
-values; after, it computes none.
+`prompt[p + 1]` is gathered. The runner returns them (`ModelRunnerOutput.prompt_logprobs`);
+the scheduler's `update_from_output` writes them into `request.prompt_logprobs[p + 1]`
+(created at the step that starts the prompt at position 0); entry 0 stays None (the first
+token has no context). Chunked prefill fills the list chunk by chunk; a recompute after a
+preemption before they were handed out overwrites entries with the same values; after, it
+computes none.
 
 NOTE: prompt positions served from the prefix cache have no logits, so a request asking for
 prompt logprobs skips the prefix-cache lookup and computes its whole prompt (as vLLM v1
@@ -23,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.shared.engine.model_runner_output import PromptLogprobs
 from pdserve.shared.request import Request, TokenLogprobs
 
 ROWS_PER_CHUNK = 256
@@ -43,10 +46,11 @@ class PromptLogprobsJob(NamedTuple):
 def plan_prompt_logprobs(scheduled: Sequence, query_start_loc: Sequence[int]
                          ) -> list[PromptLogprobsJob]:
     """The jobs of one step: for each scheduled request with `prompt_logprobs` set, the
-    scheduled positions in [start_pos, num_prompt_tokens - 1).
+    scheduled positions in [start_pos, num_prompt_tokens - 1). Reads the requests only.
 
-    A request's `prompt_logprobs` list is created when its computation starts at position
-    0; a request whose prompt KV came from elsewhere (a KV transfer) gets none.
+    A request gets jobs from the step that starts its computation at position 0 on (that
+    job is planned even with no position, a one-token prompt: its list is created then); a
+    request whose prompt KV came from elsewhere (a KV transfer) gets none.
 
     Args:
         scheduled: the step's `ScheduledRequest`s, in batch order.
@@ -57,31 +61,30 @@ def plan_prompt_logprobs(scheduled: Sequence, query_start_loc: Sequence[int]
         request = s.request
         if request.sampling_params.prompt_logprobs is None or request.prompt_logprobs_sent:
             continue  # not asked for, or handed out already (a recompute after preemption)
-        if s.start_pos == 0 and request.prompt_logprobs is None:
-            request.prompt_logprobs = [None] * request.num_prompt_tokens
-        if request.prompt_logprobs is None:
-            continue
+        if s.start_pos != 0 and request.prompt_logprobs is None:
+            continue  # its prompt was not computed here from position 0
         end = min(s.start_pos + s.num_scheduled_tokens, request.num_prompt_tokens - 1)
-        if end > s.start_pos:
+        if end > s.start_pos or s.start_pos == 0:
             jobs.append(PromptLogprobsJob(request, int(query_start_loc[i]), s.start_pos,
-                                          end - s.start_pos))
+                                          max(end - s.start_pos, 0)))
     return jobs
 
 
 def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor,
-                            jobs: Sequence[PromptLogprobsJob]) -> None:
-    """Fill `job.request.prompt_logprobs` for every job (engine thread, inference mode).
+                            jobs: Sequence[PromptLogprobsJob]) -> dict[str, PromptLogprobs]:
+    """request_id -> the logprobs of each job's positions (engine thread, inference mode).
 
     Args:
         compute_logits: [rows, hidden_size] -> [rows, vocab_size] float32 raw logits.
         hidden: [num_batch_tokens, hidden_size] the step's final hidden states (before the
             final norm, as `compute_logits` takes them).
     """
+    results: dict[str, PromptLogprobs] = {}
     for job in jobs:
         request = job.request
         k = request.sampling_params.prompt_logprobs or 0
-        out = request.prompt_logprobs
-        assert out is not None, "planned by plan_prompt_logprobs"
+        out: list[TokenLogprobs] = []
+        results[request.request_id] = PromptLogprobs(job.first_pos, out)
         target_ids = request.prompt_token_ids[job.first_pos + 1:
                                               job.first_pos + 1 + job.num_positions]
         targets = torch.tensor(target_ids, dtype=torch.int64, device=hidden.device)
@@ -97,7 +100,6 @@ def compute_prompt_logprobs(compute_logits, hidden: torch.Tensor,
                 values, ids = top_values.tolist(), top_ids.tolist()
             else:
                 values = ids = [[] for _ in range(n)]
-            pos = job.first_pos + off + 1
-            for j in range(n):
-                out[pos + j] = TokenLogprobs(target_ids[off + j], chosen[j], ids[j], values[j],
-                                             ranks[j])
+            out.extend(TokenLogprobs(target_ids[off + j], chosen[j], ids[j], values[j], ranks[j])
+                       for j in range(n))
+    return results

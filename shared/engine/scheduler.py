@@ -9,8 +9,8 @@ services read it through `request_views()` and `block_holders()`, never its cont
 One engine step (synchronous, one step in flight at a time):
 
     out = scheduler.schedule()                        # pick tokens, allocate blocks
-    sampled = model_runner.execute_model(out)         # {request_id: (token_id, logprobs)}
-    deltas = scheduler.update_from_output(out, sampled)   # append tokens, stop, free
+    runner_output = model_runner.execute_model(out)   # ModelRunnerOutput
+    deltas = scheduler.update_from_output(out, runner_output)   # append tokens, stop, free
 
 Call `add_request` / `abort_requests` between steps, not between `schedule()` and
 `update_from_output()`. (An abort in between is tolerated: the step's result for that
@@ -27,6 +27,7 @@ from types import MappingProxyType
 
 from pdserve.shared.config import SchedulerConfig
 from pdserve.shared.engine.longrope import switch_to_long_rope
+from pdserve.shared.engine.model_runner_output import ModelRunnerOutput
 from pdserve.shared.engine.scheduler_kv_transfer import KVTransferTracker
 from pdserve.shared.engine.scheduler_output import (
     EngineCoreOutput,
@@ -42,7 +43,7 @@ from pdserve.shared.engine.scheduling_policy import (
     prefill_urgency,
     priority_key,
 )
-from pdserve.shared.engine.spec_decode.scheduling import append_draft_samples, num_spec_tokens
+from pdserve.shared.engine.spec_decode.scheduling import append_sampled_tokens, num_spec_tokens
 from pdserve.shared.engine.spec_decode.verification import SpecDecodingStats
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
@@ -105,6 +106,8 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already scheduled")
+        if request.block_hasher is None:  # hashed now, once (EngineCore hands it earlier)
+            request.set_block_hasher(self.kv_cache_manager.block_hasher)
         request.status = (RequestStatus.WAITING_FOR_REMOTE_KVS
                           if isinstance(request.kv_transfer_params, RemotePrefill)
                           else RequestStatus.WAITING)
@@ -312,14 +315,14 @@ class Scheduler:
         return batch.output(preempted_ids + paused_ids, finished_ids)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled: dict[str, tuple],
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
     ) -> list[EngineCoreOutput]:
-        """Append each sampled token, apply the stop rules, finish what stopped.
+        """Record prompt logprobs, append sampled tokens, apply the stop rules, finish.
 
         Args:
             scheduler_output: the output of the preceding `schedule()`.
-            sampled: request_id -> (token_id, TokenLogprobs | None) for every scheduled
-                request with `sample=True`; other entries are ignored.
+            model_runner_output: the step's results: samples for every scheduled request
+                with `sample=True` (other entries are ignored), prompt logprobs.
 
         Returns:
             One delta per request that got a token, in scheduled order.
@@ -327,31 +330,29 @@ class Scheduler:
         Raises:
             ValueError: a request scheduled with `sample=True` got no token.
         """
-        max_model_len = self.scheduler_config.max_model_len
         deltas = []
         any_finished = False
+        for request_id, (first_pos, chunk) in model_runner_output.prompt_logprobs.items():
+            if (target := self.requests.get(request_id)) is not None:  # else: aborted
+                target.add_prompt_logprobs(first_pos, chunk)
+        index = {request_id: i for i, request_id in enumerate(model_runner_output.req_ids)}
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if not scheduled.sample or request.is_finished:
                 continue  # a prefill chunk, or aborted since schedule()
             if request.pooling_params is not None:  # prefill only: done, with its pooled state
-                deltas.append(finish_pooling(request))  # FINISHED_STOPPED, no token
+                deltas.append(finish_pooling(  # FINISHED_STOPPED, no token
+                    request, model_runner_output.pooler_output[request.request_id]))
                 self._finish(request)
                 any_finished = True
                 continue
-            entry = sampled.get(request.request_id)
-            if entry is None:
+            i = index.get(request.request_id)
+            if i is None:
                 raise ValueError(f"no sampled token for request {request.request_id!r}")
-            if scheduled.spec_token_ids:
-                new_token_ids, new_logprobs, status, stop_reason = append_draft_samples(
-                    request, scheduled.spec_token_ids, entry, self.kv_cache_manager,
-                    self.spec_decoding_stats, max_model_len)
-            else:
-                token_id, logprobs = entry
-                request.append_output_token(token_id, logprobs)
-                status, stop_reason = check_stop(request, max_model_len)
-                new_token_ids = [token_id]
-                new_logprobs = [logprobs] if logprobs is not None else []
+            new_token_ids, new_logprobs, status, stop_reason = append_sampled_tokens(
+                request, scheduled.spec_token_ids, model_runner_output.sampled_token_ids[i],
+                model_runner_output.logprobs[i], self.kv_cache_manager,
+                self.spec_decoding_stats, self.scheduler_config.max_model_len)
             if status is not None:
                 request.status = status
                 request.stop_reason = stop_reason

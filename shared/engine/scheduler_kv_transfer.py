@@ -100,7 +100,7 @@ class KVTransferTracker:
         if self.kv_connector is not None and \
                 self.kv_connector.request_finished(request, kv.get_block_ids(request_id)):
             request.kv_transfer_params = HeldBlocks(
-                kv.get_block_hashes(request)[:request.num_prompt_tokens // kv.block_size])
+                request.block_hashes[:request.num_prompt_tokens // kv.block_size])
             self.finished_sending[request_id] = request
         else:
             kv.free(request)

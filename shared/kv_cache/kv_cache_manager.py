@@ -7,9 +7,12 @@ A request's blocks, in logical order (`block_size` tokens each):
     [ hit  ][ hit  ][ own   ][ own   ][ own   ][ new   ]
                                              ^ only full blocks get a hash and are cached
 
-Block hashes are computed incrementally (one per block that fills up) and memoized per
-request until `free(request)`, so per-step work stays O(1) per request. (A longrope request's
-`rope_long`, a key of its first block's hash, changes only once its blocks are freed.)
+Per request the manager keeps only its blocks and how many of them it cached (vLLM's
+single-type manager: `req_to_blocks`, `num_cached_block`); the block ids are read off the
+blocks, and the block hashes are the request's own (`Request.block_hashes`, filled by the
+`block_hasher` this manager builds and the engine hands each request). Every block in
+`req_to_blocks` but the null block holds one reference of its request: `check_invariants`
+counts them against each block's ref_cnt.
 
 With a sliding window on every layer (Mistral), the blocks that fall out of the window as
 the request grows are freed and replaced by the null block in its list (vLLM v1's
@@ -25,12 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdserve.shared.kv_cache.block_pool import BlockPool, KVCacheBlock, KVCacheEvent
-from pdserve.shared.kv_cache.prefix_hash import (
-    NONE_HASH,
-    BlockHash,
-    block_extra_keys,
-    hash_block_tokens,
-)
+from pdserve.shared.kv_cache.prefix_hash import BlockHasher, request_block_hasher
 from pdserve.shared.request import Request
 
 
@@ -83,16 +81,17 @@ class KVCacheManager:
         self.model_name = model_name
         self.quantization = quantization
         """The weights' quantization ("none" | "int8"): an extra key of first-block hashes."""
+        self.block_hasher: BlockHasher = request_block_hasher(block_size, model_name,
+                                                              quantization)
+        """What the engine hands each request to fill its `block_hashes`."""
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, enable_kv_cache_events)
         self.stats = PrefixCacheStats()
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self._req_to_block_ids: dict[str, list[int]] = {}
-        self._req_to_block_hashes: dict[str, list[BlockHash]] = {}
-        self._num_cached_block: dict[str, int] = {}
-        """Leading blocks of a request already passed to cache_full_blocks."""
+        """request_id -> its blocks in logical order; with a sliding window, those out of
+        it are the null block (never freed twice: the leading null blocks are skipped)."""
+        self.num_cached_block: dict[str, int] = {}
+        """request_id -> its leading blocks already passed to cache_full_blocks."""
         self.sliding_window = sliding_window
-        self._num_skipped_blocks: dict[str, int] = {}
-        """Leading blocks of a request out of the window: the null block in its list."""
 
     # -- prefix lookup ----------------------------------------------------------------------
 
@@ -105,7 +104,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return ComputedBlocks([], 0)
-        block_hashes = self._block_hashes(request)
+        block_hashes = request.block_hashes
         max_hit_blocks = min((request.num_tokens - 1) // self.block_size, len(block_hashes))
         blocks = []
         for i in range(max_hit_blocks):
@@ -114,30 +113,6 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return ComputedBlocks(blocks, len(blocks) * self.block_size)
-
-    def get_block_hashes(self, request: Request) -> list[BlockHash]:
-        """The chained hashes of `request`'s full blocks (a copy)."""
-        return list(self._block_hashes(request))
-
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """The memoized hash list (from `request.block_hashes` when given), extended to
-        every full block of the known tokens."""
-        hashes = self._req_to_block_hashes.get(request.request_id)
-        if hashes is None:
-            hashes = self._req_to_block_hashes[request.request_id] = list(request.block_hashes)
-        num_full = request.num_tokens // self.block_size
-        if len(hashes) < num_full:
-            bs = self.block_size
-            parent = hashes[-1] if hashes else NONE_HASH
-            for i in range(len(hashes), num_full):
-                lora = request.lora_request
-                extra = (block_extra_keys(self.model_name, request.cache_salt, self.quantization,
-                                          request.rope_long, lora and lora.lora_name)
-                         if i == 0 else ())
-                parent = hash_block_tokens(parent, request.token_slice(i * bs, (i + 1) * bs),
-                                           extra)
-                hashes.append(parent)
-        return hashes
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -182,19 +157,15 @@ class KVCacheManager:
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request_id] = []
-            self._req_to_block_ids[request_id] = []
             if self.enable_caching:
                 self.stats.requests += 1
                 self.stats.queries += request.num_tokens
                 self.stats.hits += num_new_computed_tokens
-        block_ids = self._req_to_block_ids[request_id]
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
-            block_ids.extend(block.block_id for block in new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
-        block_ids.extend(block.block_id for block in new_blocks)
 
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
@@ -211,14 +182,13 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_cached = self._num_cached_block.get(request.request_id, 0)
-        num_full = min(num_computed_tokens // self.block_size, len(blocks))
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_full = min(num_computed_tokens // self.block_size, len(blocks),
+                       len(request.block_hashes))
         if num_full <= num_cached:
             return
-        block_hashes = self._block_hashes(request)
-        num_full = min(num_full, len(block_hashes))
-        self.block_pool.cache_full_blocks(blocks, block_hashes, num_cached, num_full)
-        self._num_cached_block[request.request_id] = num_full
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+        self.num_cached_block[request.request_id] = num_full
 
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Free `request`'s blocks that no layer's window reaches any more: the next query
@@ -232,17 +202,15 @@ class KVCacheManager:
             return
         first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
         num_skip = min(first_needed // self.block_size, len(blocks))
-        done = self._num_skipped_blocks.get(request.request_id, 0)
-        if num_skip <= done:
-            return
         null = self.block_pool.null_block
-        block_ids = self._req_to_block_ids[request.request_id]
-        freed = [blocks[i] for i in range(done, num_skip) if blocks[i] is not null]
-        for i in range(done, num_skip):
+        freed = []
+        # NOTE: vLLM's walk back from the window: the blocks before the last null are null.
+        for i in range(num_skip - 1, -1, -1):
+            if blocks[i] is null:
+                break
+            freed.append(blocks[i])
             blocks[i] = null
-            block_ids[i] = null.block_id
-        self._num_skipped_blocks[request.request_id] = num_skip
-        self.block_pool.free_blocks(reversed(freed))
+        self.block_pool.free_blocks(freed)
 
     def skip_blocks_before_window(self, request: Request, num_tokens: int) -> int:
         """For a request holding no blocks whose first `num_tokens` tokens' KV arrives at
@@ -251,15 +219,22 @@ class KVCacheManager:
         received. Returns the number of null blocks the request now leads with (0 without
         a sliding window, or when it already holds blocks)."""
         request_id = request.request_id
-        if self.sliding_window is None or request_id in self.req_to_blocks:
-            return self._num_skipped_blocks.get(request_id, 0)
+        if self.sliding_window is None:
+            return 0
+        if request_id in self.req_to_blocks:
+            return self._num_null_blocks(self.req_to_blocks[request_id])
         num_skip = max(0, num_tokens - self.sliding_window + 1) // self.block_size
         if num_skip:
-            null = self.block_pool.null_block
-            self.req_to_blocks[request_id] = [null] * num_skip
-            self._req_to_block_ids[request_id] = [null.block_id] * num_skip
-            self._num_skipped_blocks[request_id] = num_skip
+            self.req_to_blocks[request_id] = [self.block_pool.null_block] * num_skip
         return num_skip
+
+    def _num_null_blocks(self, blocks: list[KVCacheBlock]) -> int:
+        """The leading null blocks of a request's list (out of the window)."""
+        null = self.block_pool.null_block
+        n = 0
+        while n < len(blocks) and blocks[n] is null:
+            n += 1
+        return n
 
     def trim_blocks(self, request: Request, num_tokens: int) -> None:
         """Free `request`'s blocks past the first cdiv(num_tokens, block_size), last block
@@ -272,12 +247,11 @@ class KVCacheManager:
         if not blocks:
             return
         num_keep = max(-(-num_tokens // self.block_size),
-                       self._num_cached_block.get(request.request_id, 0))
+                       self.num_cached_block.get(request.request_id, 0))
         if len(blocks) <= num_keep:
             return
         tail = blocks[num_keep:]
         del blocks[num_keep:]
-        del self._req_to_block_ids[request.request_id][num_keep:]
         self.block_pool.free_blocks(reversed(tail))
 
     def free(self, request: Request) -> None:
@@ -288,20 +262,17 @@ class KVCacheManager:
         """
         request_id = request.request_id
         blocks = self.req_to_blocks.pop(request_id, None)
-        self._req_to_block_ids.pop(request_id, None)
-        self._req_to_block_hashes.pop(request_id, None)
-        self._num_cached_block.pop(request_id, None)
-        if self._num_skipped_blocks.pop(request_id, 0) and blocks:
-            null = self.block_pool.null_block
-            blocks = [block for block in blocks if block is not null]
+        self.num_cached_block.pop(request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            null = self.block_pool.null_block
+            self.block_pool.free_blocks(block for block in reversed(blocks) if block is not null)
 
     # -- queries ----------------------------------------------------------------------------
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's physical block ids in logical order (a copy; [] if it holds none)."""
-        return list(self._req_to_block_ids.get(request_id, ()))
+        """The request's physical block ids in logical order (a new list; [] if it holds
+        none; 0, the null block, for blocks out of a sliding window)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, ())]
 
     @property
     def usage(self) -> float:
@@ -320,32 +291,22 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """The pool's invariants, plus: each block's ref_cnt equals the number of requests
-        holding it, and every hashed block sits where its hash says in each holder's chain.
+        holding it, and only leading blocks out of a sliding window are the null block.
 
         Raises:
             AssertionError: naming the first broken invariant.
         """
         self.block_pool.check_invariants()
+        null = self.block_pool.null_block
         holders: Counter[int] = Counter()
         for request_id, blocks in self.req_to_blocks.items():
-            assert self._req_to_block_ids[request_id] == [b.block_id for b in blocks], \
-                f"{request_id}: block id list out of sync"
-            assert self._num_cached_block.get(request_id, 0) <= len(blocks), \
-                f"{request_id}: more blocks cached than held"
-            hashes = self._req_to_block_hashes.get(request_id, [])
-            num_skipped = self._num_skipped_blocks.get(request_id, 0)
-            for i, block in enumerate(blocks):
-                if i < num_skipped:
-                    assert block is self.block_pool.null_block, \
-                        f"{request_id}: block {block.block_id} out of the window still held"
-                    continue
-                assert block is not self.block_pool.null_block, f"{request_id} holds block 0"
+            num_cached = self.num_cached_block.get(request_id, 0)
+            assert num_cached <= len(blocks), f"{request_id}: more blocks cached than held"
+            num_null = self._num_null_blocks(blocks) if self.sliding_window is not None else 0
+            for i, block in enumerate(blocks[num_null:], num_null):
+                assert block is not null, f"{request_id} holds block 0 at index {i}"
                 holders[block.block_id] += 1
-                if block.block_hash is not None:
-                    assert i < len(hashes) and hashes[i] == block.block_hash, \
-                        f"{request_id}: block {block.block_id} at index {i} has a foreign hash"
-        assert set(self._req_to_block_ids) == set(self.req_to_blocks), "stale block id lists"
-        assert set(self._num_skipped_blocks) <= set(self.req_to_blocks), "stale skip counts"
+        assert set(self.num_cached_block) <= set(self.req_to_blocks), "stale cached counts"
         for block in self.block_pool.blocks[1:]:
             assert block.ref_cnt == holders[block.block_id], \
                 f"block {block.block_id}: ref_cnt {block.ref_cnt}, " \

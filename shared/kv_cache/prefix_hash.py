@@ -32,14 +32,22 @@ tests/shared/kv_cache/test_prefix_hash.py make that a deliberate, visible edit.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import xxhash
+
+if TYPE_CHECKING:
+    from pdserve.shared.request import Request
 
 BlockHash = bytes
 """16 bytes: the xxh3-128 digest (seed 0) of a block's canonical encoding."""
 
 ExtraKey = str | bytes | int
+
+BlockHasher = Callable[["Request"], list[BlockHash]]
+"""request -> the hashes of its full blocks past `request.block_hashes` (vLLM's
+`get_request_block_hasher`; `Request.update_block_hashes` calls it)."""
 
 HASH_SEED = 0
 BLOCK_HASH_NUM_BYTES = 16
@@ -98,13 +106,15 @@ def hash_request_tokens(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: Sequence[ExtraKey] = (),
+    parent_block_hash: BlockHash = NONE_HASH,
 ) -> list[BlockHash]:
-    """The chained hashes of every *full* block of `token_ids` (a partial tail is skipped).
+    """The chained hashes of every *full* block of `token_ids` (a partial tail is skipped),
+    the first chained on `parent_block_hash` (a sequence's first block: `NONE_HASH`).
 
     `extra_keys` enter the first block only; the chain carries them to later blocks.
     """
     hashes: list[BlockHash] = []
-    parent = NONE_HASH
+    parent = parent_block_hash
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start:start + block_size],
                                    extra_keys if start == 0 else ())
@@ -130,3 +140,26 @@ def block_extra_keys(model_name: str, cache_salt: str | None,
     if lora_name is not None:
         keys += (b"lora=" + lora_name.encode("utf-8"),)
     return keys
+
+
+def request_block_hasher(block_size: int, model_name: str, quantization: str = "none"
+                         ) -> BlockHasher:
+    """The hasher an engine hands its requests: it hashes a request's full blocks that
+    `request.block_hashes` lacks, chained on its last hash, the first block with
+    `block_extra_keys` (the model, the request's salt, this quantization, its `rope_long` and
+    its LoRA adapter). O(new full blocks) per call: nothing once every block is hashed."""
+
+    def hash_new_full_blocks(request: Request) -> list[BlockHash]:
+        hashes = request.block_hashes
+        start, end = len(hashes) * block_size, request.num_tokens // block_size * block_size
+        if end <= start:
+            return []
+        if hashes:
+            return hash_request_tokens(request.token_slice(start, end), block_size,
+                                       parent_block_hash=hashes[-1])
+        lora = request.lora_request
+        return hash_request_tokens(request.token_slice(0, end), block_size, block_extra_keys(
+            model_name, request.cache_salt, quantization, request.rope_long,
+            lora and lora.lora_name))
+
+    return hash_new_full_blocks

@@ -14,6 +14,7 @@ from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.request import Request
 from pdserve.shared.sampling_params import SamplingParams
+from tests.shared.engine.test_scheduler import runner_output
 
 
 class ChurnEngine:
@@ -62,8 +63,8 @@ class ChurnEngine:
         if missing > 0:
             self.add(missing)
         out = self.scheduler.schedule()
-        sampled = {s.request.request_id: (self.rng.randrange(1, 1000), None)
-                   for s in out.scheduled if s.sample}
+        sampled = runner_output({s.request.request_id: self.rng.randrange(1, 1000)
+                                 for s in out.scheduled if s.sample})
         deltas = self.scheduler.update_from_output(out, sampled)
         if self.scheduler.running and self.rng.random() < 0.05:
             self.scheduler.abort_requests([self.rng.choice(self.scheduler.running).request_id])

@@ -118,8 +118,9 @@ def test_placement_hashes_a_prompt_as_the_engine_caches_it():
     kv = KVCacheManager(16, 16, model_name="m")
     hashes = {}
     for i, lora in enumerate((None, a, b)):
-        request = Request(f"r{i}", prompt, SamplingParams(), lora_request=lora)
-        engine = kv.get_block_hashes(request)
+        request = Request(f"r{i}", prompt, SamplingParams(), lora_request=lora,
+                          block_hasher=kv.block_hasher)
+        engine = request.block_hashes
         assert engine == hash_request_tokens(prompt, 16, request_extra_keys("m", None, "none",
                                                                            lora))
         hashes[lora] = engine

@@ -29,7 +29,6 @@ class DraftSequence:
     """One request's state in the draft cache."""
 
     blocks: list[KVCacheBlock] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     """The token fed at each position whose KV the draft cache holds."""
     num_confirmed: int = 0
@@ -75,7 +74,6 @@ class DraftKVCache:
         if len(seq.blocks) > num_keep:
             tail = seq.blocks[num_keep:]
             del seq.blocks[num_keep:]
-            del seq.block_ids[num_keep:]
             self.block_pool.free_blocks(reversed(tail))
 
     def allocate(self, request_id: str, num_tokens: int) -> list[int] | None:
@@ -89,10 +87,8 @@ class DraftKVCache:
         if seq is None:
             seq = self.seqs[request_id] = DraftSequence()
         if num_new > 0:
-            new_blocks = self.block_pool.get_new_blocks(num_new)
-            seq.blocks.extend(new_blocks)
-            seq.block_ids.extend(b.block_id for b in new_blocks)
-        return seq.block_ids
+            seq.blocks.extend(self.block_pool.get_new_blocks(num_new))
+        return [b.block_id for b in seq.blocks]
 
     def append_tokens(self, request_id: str, token_ids: list[int], confirmed: bool) -> None:
         """Record the tokens a draft forward fed (their KV is written); `confirmed`: they
@@ -127,7 +123,6 @@ class DraftKVCache:
         self.block_pool.check_invariants()
         held = 0
         for request_id, seq in self.seqs.items():
-            assert seq.block_ids == [b.block_id for b in seq.blocks], request_id
             assert all(b.ref_cnt == 1 for b in seq.blocks), f"{request_id}: shared block"
             assert len(seq.blocks) >= -(-len(seq.token_ids) // self.block_size), request_id
             assert seq.num_confirmed <= len(seq.token_ids), request_id

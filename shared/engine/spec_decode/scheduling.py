@@ -28,7 +28,7 @@ from pdserve.shared.engine.spec_decode.verification import (
     num_accepted_drafts,
 )
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
-from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.request import Request, RequestStatus, TokenLogprobs
 from pdserve.shared.stop_rules import check_stop
 
 
@@ -47,26 +47,30 @@ def num_spec_tokens(request: Request, num_new_tokens: int, token_budget: int,
     return max(0, min(len(drafts), token_budget - 1))
 
 
-def append_draft_samples(request: Request, drafts: Sequence[int], entry: tuple,
-                         kv_cache_manager: KVCacheManager, stats: SpecDecodingStats,
-                         max_model_len: int
-                         ) -> tuple[list[int], list, RequestStatus | None, int | None]:
+def append_sampled_tokens(request: Request, drafts: Sequence[int], token_ids: list[int],
+                          logprobs: list[TokenLogprobs | None],
+                          kv_cache_manager: KVCacheManager, stats: SpecDecodingStats,
+                          max_model_len: int
+                          ) -> tuple[list[int], list[TokenLogprobs], RequestStatus | None,
+                                     int | None]:
     """Keep the accepted drafts and the token after them, one at a time under the stop
-    rules (nothing past a stop is kept), roll the rejected drafts' KV back.
+    rules (nothing past a stop is kept), roll the rejected drafts' KV back. Without drafts
+    (k = 0): append the one sample, apply the stop rules.
 
     Args:
-        entry: (k + 1 sampled tokens, their k + 1 logprobs or Nones) from the runner.
+        token_ids: the k + 1 samples of a request scored with its k `drafts` (its
+            `ModelRunnerOutput.sampled_token_ids`); `logprobs`: theirs, or Nones.
 
     Returns:
         (kept token ids, their logprobs (those not None), status, stop_reason) where
         status / stop_reason are `check_stop`'s after the last kept token.
     """
-    token_ids, logprobs = entry
     num_accepted = num_accepted_drafts(drafts, token_ids)
-    stats.observe(len(drafts), num_accepted)
+    if drafts:
+        stats.observe(len(drafts), num_accepted)
     request.num_computed_tokens -= len(drafts) - num_accepted
     kept: list[int] = []
-    kept_logprobs = []
+    kept_logprobs: list[TokenLogprobs] = []
     status, stop_reason = None, None
     for token_id, lp in zip(token_ids[:num_accepted + 1], logprobs):
         request.append_output_token(token_id, lp)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pdserve.shared.request import Request
+from pdserve.shared.request import Request, TokenLogprobs
 from pdserve.shared.stop_rules import num_tokens_left
 
 
@@ -86,20 +86,20 @@ def expand_draft_rows(scheduled: list, sampled: list[int], query_start_loc: np.n
     return np.asarray(indices, dtype=np.int64), DraftRows(requests, offsets, num_rows)
 
 
-def group_draft_samples(rows: DraftRows, token_ids: list[int], logprobs: list
-                        ) -> dict[str, tuple]:
-    """request_id -> (token, logprobs) for a one-row request, or (tokens, logprobs list)
-    for a request with drafts (all k + 1 samples; the scheduler keeps the accepted ones)."""
-    out: dict[str, tuple] = {}
+def group_draft_samples(rows: DraftRows, token_ids: list[int],
+                        logprobs: list[TokenLogprobs | None]
+                        ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+    """The per-row samples grouped per request (`ModelRunnerOutput.sampled_token_ids` and
+    `.logprobs`): 1 + k entries for a request with k drafts, all its samples (the
+    scheduler keeps the accepted ones)."""
+    grouped_ids: list[list[int]] = []
+    grouped_logprobs: list[list[TokenLogprobs | None]] = []
     row = 0
     for n in rows.num_rows:
-        request = rows.requests[row]
-        if n == 1:
-            out[request.request_id] = (token_ids[row], logprobs[row])
-        else:
-            out[request.request_id] = (token_ids[row:row + n], logprobs[row:row + n])
+        grouped_ids.append(token_ids[row:row + n])
+        grouped_logprobs.append(logprobs[row:row + n])
         row += n
-    return out
+    return grouped_ids, grouped_logprobs
 
 
 @dataclass(slots=True)

@@ -404,6 +404,7 @@ def test_scheduler_prefill_urgency():
     from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
     from pdserve.shared.request import Request
     from pdserve.shared.sampling_params import SamplingParams
+    from tests.shared.engine.test_scheduler import runner_output
 
     kv = KVCacheManager(64, 16, enable_caching=False, model_name="m")
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=40, max_wait_s=5.0), kv)
@@ -412,8 +413,8 @@ def test_scheduler_prefill_urgency():
     scheduler.add_request(Request("b", list(range(1, 101)), SamplingParams(max_tokens=4)))
     assert scheduler.prefill_urgency() == (30, False)
     out = scheduler.schedule()  # a whole (30), b's first 10 tokens
-    scheduler.update_from_output(out, {s.request.request_id: (5, None)
-                                       for s in out.scheduled if s.sample})
+    scheduler.update_from_output(out, runner_output({s.request.request_id: 5
+                                       for s in out.scheduled if s.sample}))
     assert scheduler.prefill_urgency() == (90, True)  # a decodes, b has 90 prompt tokens left
     # A stream whose prompt KV arrived (one token left, an output token): a decode.
     arrived = Request("arrived", list(range(1, 61)), SamplingParams(max_tokens=4))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-import pdserve.shared.kv_cache.kv_cache_manager as kv_cache_manager_module
+import pdserve.shared.kv_cache.prefix_hash as prefix_hash_module
 from pdserve.shared.config import SchedulerConfig
+from pdserve.shared.engine.model_runner_output import ModelRunnerOutput
 from pdserve.shared.engine.scheduler import Scheduler, check_stop
 from pdserve.shared.engine.scheduling_policy import validate_request
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
@@ -40,6 +41,14 @@ def make_request(request_id, prompt_len=None, prompt=None, eos_token_id=None, **
     return Request(request_id, prompt, SamplingParams(**params), eos_token_id=eos_token_id)
 
 
+def runner_output(sampled: dict[str, int | list[int]]) -> ModelRunnerOutput:
+    """A ModelRunnerOutput without logprobs: request_id -> its token (or, scored with
+    drafts, its tokens)."""
+    token_ids = [t if isinstance(t, list) else [t] for t in sampled.values()]
+    return ModelRunnerOutput(list(sampled), token_ids, [[None] * len(t) for t in token_ids],
+                             {}, {})
+
+
 def model_token(request: Request) -> int:
     """A deterministic 'model': the next token depends on the whole sequence."""
     return (sum(request.all_token_ids) * 31 + request.num_tokens) % 500 + 100
@@ -54,7 +63,7 @@ class FakeRunner:
         self.next_token = next_token
         self.kv: dict[int, tuple[int, int]] = {}
 
-    def execute(self, out) -> dict:
+    def execute(self, out) -> ModelRunnerOutput:
         sampled = {}
         for s in out.scheduled:
             req, start, n = s.request, s.start_pos, s.num_scheduled_tokens
@@ -67,8 +76,8 @@ class FakeRunner:
             for pos in range(start, start + n):
                 self.kv[s.block_ids[pos // BS] * BS + pos % BS] = (pos, req.token_at(pos))
             if s.sample:
-                sampled[req.request_id] = (self.next_token(req), None)
-        return sampled
+                sampled[req.request_id] = self.next_token(req)
+        return runner_output(sampled)
 
 
 def check(scheduler: Scheduler) -> None:
@@ -431,7 +440,7 @@ def test_missing_sampled_token_is_an_error():
     sched.add_request(make_request("a", 5))
     out = sched.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
-        sched.update_from_output(out, {})
+        sched.update_from_output(out, runner_output({}))
 
 
 # -- roles ----------------------------------------------------------------------------------
@@ -446,7 +455,7 @@ def test_connector_holds_a_remote_decodes_blocks_until_its_transfer_is_done():
     assert deltas[0].finished and not sched.has_unfinished_requests()
     kv = sched.kv_cache_manager
     assert kv.get_block_ids("a") == [1, 2, 3] and kv.num_free_blocks == 60
-    assert req.kv_transfer_params == HeldBlocks(kv.get_block_hashes(req)[:2])
+    assert req.kv_transfer_params == HeldBlocks(req.block_hashes[:2])
     assert sched.abort_requests(["a"]) == []  # finished: the connector's to close
     assert kv.num_free_blocks == 60
     assert sched.schedule().finished_request_ids == ["a"]
@@ -584,8 +593,8 @@ def test_same_step_admission_hits_blocks_cached_this_step():
 
 def test_per_step_hashing_is_incremental(monkeypatch):
     calls = []
-    real = kv_cache_manager_module.hash_block_tokens
-    monkeypatch.setattr(kv_cache_manager_module, "hash_block_tokens",
+    real = prefix_hash_module.hash_block_tokens
+    monkeypatch.setattr(prefix_hash_module, "hash_block_tokens",
                         lambda *a: calls.append(1) or real(*a))
     sched = make_scheduler(num_blocks=1200, max_num_seqs=128, max_num_batched_tokens=16384,
                            max_model_len=512)
@@ -593,8 +602,8 @@ def test_per_step_hashing_is_incremental(monkeypatch):
     for r in reqs:
         sched.add_request(r)
     runner = FakeRunner(sched)
-    runner.execute = lambda out: {s.request.request_id: (7, None)
-                                  for s in out.scheduled if s.sample}
+    runner.execute = lambda out: runner_output({s.request.request_id: 7
+                                                for s in out.scheduled if s.sample})
     run_all(sched, runner)
     assert all(r.num_tokens == 133 for r in reqs)
     # Each full block is hashed once: 6 prompt blocks + 2 filled while decoding (132 KV

@@ -9,6 +9,7 @@ from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.request import Request, RequestStatus
 from pdserve.shared.sampling_params import SamplingParams
+from tests.shared.engine.test_scheduler import runner_output
 
 BS = 16
 
@@ -37,8 +38,8 @@ def _admission_sequence(scheduler: Scheduler) -> list[str]:
         for s in out.scheduled:
             if s.start_pos == 0:
                 started.append(s.request.request_id)
-        scheduler.update_from_output(out, {s.request.request_id: (5, None)
-                                           for s in out.scheduled if s.sample})
+        scheduler.update_from_output(out, runner_output({s.request.request_id: 5
+                                           for s in out.scheduled if s.sample}))
     assert not scheduler.has_unfinished_requests()
     return started
 
@@ -98,8 +99,8 @@ def test_preempted_requests_resume_before_shorter_ones():
         if out.preempted_request_ids:
             preempted = out.preempted_request_ids[0]
             break
-        scheduler.update_from_output(out, {s.request.request_id: (5, None)
-                                           for s in out.scheduled if s.sample})
+        scheduler.update_from_output(out, runner_output({s.request.request_id: 5
+                                           for s in out.scheduled if s.sample}))
     assert preempted is not None
     victim = scheduler.requests[preempted]
     assert victim.status == RequestStatus.PREEMPTED
@@ -132,19 +133,19 @@ def test_priority_preempts_the_lowest_priority_running_request_first():
     first = scheduler.schedule()
     assert [s.request.request_id for s in first.scheduled] == ["high", "mid", "low"]
     assert [r.request_id for r in scheduler.running] == ["high", "mid", "low"]
-    scheduler.update_from_output(first, {s.request.request_id: (5, None)
-                                         for s in first.scheduled if s.sample})
+    scheduler.update_from_output(first, runner_output({s.request.request_id: 5
+                                         for s in first.scheduled if s.sample}))
     # the next token of each needs a third block: only the highest priorities keep theirs
     out = scheduler.schedule()
     assert out.preempted_request_ids[0] == "low"
     assert "high" in [s.request.request_id for s in out.scheduled]
-    scheduler.update_from_output(out, {s.request.request_id: (5, None)
-                                       for s in out.scheduled if s.sample})
+    scheduler.update_from_output(out, runner_output({s.request.request_id: 5
+                                       for s in out.scheduled if s.sample}))
     for _ in range(400):
         if not scheduler.has_unfinished_requests():
             break
         out = scheduler.schedule()
-        scheduler.update_from_output(out, {s.request.request_id: (5, None)
-                                           for s in out.scheduled if s.sample})
+        scheduler.update_from_output(out, runner_output({s.request.request_id: 5
+                                           for s in out.scheduled if s.sample}))
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.usage == 0

@@ -71,7 +71,7 @@ def test_draft_kv_syncs_rolls_back_and_frees():
     assert kv.sync(req) == 6
     assert kv.seqs["r"].token_ids == [1, 2, 3, 4, 5, 6] and kv.seqs["r"].num_confirmed == 6
     kv.truncate("r", 3)  # rollback frees the blocks past the kept positions
-    assert kv.seqs["r"].block_ids == [kv.seqs["r"].blocks[0].block_id]
+    assert len(kv.seqs["r"].blocks) == 1  # (block ids are read off the blocks)
     assert kv.num_free_blocks == 6
     kv.check_invariants()
     assert kv.allocate("r", 40) is None  # more than the pool: nothing changes

@@ -6,18 +6,25 @@ import pytest
 
 from pdserve.shared.kv_cache.block_pool import BlockStored
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
-from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from pdserve.shared.kv_cache.prefix_hash import (
+    BlockHasher,
+    block_extra_keys,
+    hash_request_tokens,
+    request_block_hasher,
+)
 from pdserve.shared.request import Request
 from pdserve.shared.sampling_params import SamplingParams
 from tests.shared.kv_cache.test_block_pool import Checked
 
 BS = 16
+HASHER = request_block_hasher(BS, "m")
+"""The block hasher of `make_manager`'s managers (model "m")."""
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], cache_salt: str | None = None,
-                 ) -> Request:
+                 block_hasher: BlockHasher = HASHER) -> Request:
     return Request(request_id, list(prompt_token_ids), SamplingParams(max_tokens=100),
-                   eos_token_id=None, cache_salt=cache_salt)
+                   eos_token_id=None, cache_salt=cache_salt, block_hasher=block_hasher)
 
 
 def make_manager(num_blocks: int, enable_caching: bool = True, model_name: str = "m"):
@@ -51,7 +58,7 @@ def test_prefix_hit_golden_ids_and_free_order():
     assert [b.block_id for b in new] == [1, 2, 3, 4]
     assert manager.get_block_ids("a") == [1, 2, 3, 4]
     assert manager.block_pool.num_cached_blocks == 3  # the partial 4th block is not
-    assert manager.take_events() == [BlockStored(manager.get_block_hashes(a))]
+    assert manager.take_events() == [BlockStored(a.block_hashes)]
 
     b = make_request("b", common + [700 + i for i in range(5)])  # 53 tokens
     hits, num_hit = manager.get_computed_blocks(b)
@@ -136,7 +143,7 @@ def test_decode_growth_caches_output_blocks_incrementally():
     assert manager.get_block_ids("a") == [1, 2, 3]
     assert manager.block_pool.num_cached_blocks == 2
     expected = hash_request_tokens(a.all_token_ids, BS, block_extra_keys("m", None))
-    assert manager.get_block_hashes(a) == expected
+    assert a.block_hashes == expected
     # Another request whose prompt is a's prompt + output hits both blocks (output too).
     b = make_request("b", a.all_token_ids)
     assert manager.get_computed_blocks(b).num_computed_tokens == 2 * BS
@@ -156,10 +163,9 @@ def test_model_name_enters_the_hash():
     prompt = list(range(2 * BS))
     m1 = KVCacheManager(4, BS, model_name="model-a")
     m2 = KVCacheManager(4, BS, model_name="model-b")
-    assert m1.get_block_hashes(make_request("a", prompt)) != \
-        m2.get_block_hashes(make_request("a", prompt))
-    assert m1.get_block_hashes(make_request("a", prompt)) == \
-        hash_request_tokens(prompt, BS, ("model-a",))
+    a1 = make_request("a", prompt, block_hasher=m1.block_hasher)
+    assert a1.block_hashes != make_request("a", prompt, block_hasher=m2.block_hasher).block_hashes
+    assert a1.block_hashes == hash_request_tokens(prompt, BS, ("model-a",))
 
 
 def test_delayed_caching():
@@ -256,16 +262,30 @@ def test_manager_check_catches_ref_count_drift():
 
 
 def test_known_block_hashes_are_extended_not_recomputed(monkeypatch):
-    """A request arriving with verified hashes (a decode's KV handle) is hashed only past
-    them, and gets the hashes a fresh hashing gives."""
-    import pdserve.shared.kv_cache.kv_cache_manager as module
+    """A request created with hashes known already is hashed only past them, and gets the
+    hashes a fresh hashing gives."""
+    import pdserve.shared.kv_cache.prefix_hash as module
 
     prompt = list(range(1, 3 * BS + 5))
-    fresh = make_manager(8).get_block_hashes(make_request("fresh", prompt))
+    fresh = make_request("fresh", prompt).block_hashes
+    known = hash_request_tokens(prompt[:2 * BS], BS, block_extra_keys("m", None))
     calls = []
     real = module.hash_block_tokens
     monkeypatch.setattr(module, "hash_block_tokens",
                         lambda *args: calls.append(1) or real(*args))
-    req = make_request("known", prompt)
-    req.block_hashes = hash_request_tokens(prompt[:2 * BS], BS, block_extra_keys("m", None))
-    assert make_manager(8).get_block_hashes(req) == fresh and len(calls) == 1
+    req = Request("known", prompt, SamplingParams(max_tokens=100), block_hasher=HASHER,
+                  block_hashes=known)
+    assert req.block_hashes == fresh and len(calls) == 1
+
+
+def test_hashes_follow_the_tokens():
+    """A request hashes each block once, when it fills up (prompt at creation, output as
+    tokens append); a manager never hashes."""
+    a = make_request("a", list(range(BS + 3)))
+    assert len(a.block_hashes) == 1
+    for _ in range(BS - 4):
+        a.append_output_token(7)
+    assert len(a.block_hashes) == 1
+    a.append_output_token(7)
+    assert a.block_hashes == hash_request_tokens(a.all_token_ids, BS, block_extra_keys("m", None))
+    assert make_request("b", [1, 2], block_hasher=None).block_hashes == []

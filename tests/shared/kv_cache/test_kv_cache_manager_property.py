@@ -65,7 +65,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def add_request(self, prefix, cut, tail, salt):
         prompt = prefix[:cut] + tail
         request = Request(f"r{self.next_id}", prompt, SamplingParams(max_tokens=50),
-                          cache_salt=salt)
+                          cache_salt=salt, block_hasher=self.manager.block_hasher)
         self.next_id += 1
         self.waiting[request.request_id] = request
 

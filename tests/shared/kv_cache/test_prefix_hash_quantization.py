@@ -54,11 +54,13 @@ def test_no_str_salt_collides_with_the_mode():
 def test_a_pool_never_serves_one_modes_blocks_to_the_other():
     int8 = KVCacheManager(10, BS, model_name="m", quantization="int8")
     fp32 = KVCacheManager(10, BS, model_name="m")
-    a, b = make_request("a", PROMPT), make_request("b", PROMPT)
-    assert int8.get_block_hashes(a) == hash_request_tokens(
+    a = make_request("a", PROMPT, block_hasher=int8.block_hasher)
+    b = make_request("b", PROMPT, block_hasher=fp32.block_hasher)
+    assert a.block_hashes == hash_request_tokens(
         PROMPT, BS, block_extra_keys("m", None, "int8"))
-    assert set(int8.get_block_hashes(a)).isdisjoint(fp32.get_block_hashes(b))
+    assert set(a.block_hashes).isdisjoint(b.block_hashes)
     admit(int8, a)
     # a hash computed by an fp32 engine finds nothing in the int8 pool
-    assert all(int8.block_pool.get_cached_block(h) is None for h in fp32.get_block_hashes(b))
-    assert int8.get_computed_blocks(make_request("c", PROMPT)).num_computed_tokens == 2 * BS
+    assert all(int8.block_pool.get_cached_block(h) is None for h in b.block_hashes)
+    assert int8.get_computed_blocks(make_request("c", PROMPT, block_hasher=int8.block_hasher)
+                                    ).num_computed_tokens == 2 * BS

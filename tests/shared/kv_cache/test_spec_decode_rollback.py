@@ -9,8 +9,15 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdserve.shared.engine.model_runner_output import ModelRunnerOutput
 from pdserve.shared.kv_cache.prefix_hash import NONE_HASH, block_extra_keys, hash_block_tokens
-from tests.shared.engine.test_scheduler import BS, check, make_request, make_scheduler
+from tests.shared.engine.test_scheduler import (
+    BS,
+    check,
+    make_request,
+    make_scheduler,
+    runner_output,
+)
 
 
 def _valid_hashes(requests) -> set:
@@ -36,7 +43,7 @@ class SpecFakeRunner:
         self.expected: dict[str, list[int]] = {}
         """request_id -> what the last step should keep (accepted drafts + 1)."""
 
-    def execute(self, out) -> dict:
+    def execute(self, out) -> ModelRunnerOutput:
         sampled = {}
         for s in out.scheduled:
             req, start, n = s.request, s.start_pos, s.num_scheduled_tokens
@@ -52,14 +59,14 @@ class SpecFakeRunner:
                 continue
             drafts = list(s.spec_token_ids)
             if not drafts:
-                sampled[req.request_id] = (self.rng.randrange(1, 50), None)
+                sampled[req.request_id] = self.rng.randrange(1, 50)
                 continue
             a = self.rng.randint(0, len(drafts))
             # A rejected position samples something else than its draft (drafts are >= 1000).
             tokens = drafts[:a] + [self.rng.randrange(1, 50) for _ in range(len(drafts) + 1 - a)]
-            sampled[req.request_id] = (tokens, [None] * len(tokens))
+            sampled[req.request_id] = tokens
             self.expected[req.request_id] = tokens[:a + 1]
-        return sampled
+        return runner_output(sampled)
 
 
 @settings(max_examples=40, deadline=None)

@@ -104,11 +104,11 @@ def test_the_same_prompt_under_two_adapters_never_shares_a_block(llm, setup):
     engine.step()  # all three prefill in this step
     kv = engine.kv_cache_manager
     blocks = {rid: set(kv.get_block_ids(rid)) for rid in users}
-    hashes = {rid: set(kv.get_block_hashes(engine.scheduler.requests[rid])) for rid in users}
+    hashes = {rid: set(engine.scheduler.requests[rid].block_hashes) for rid in users}
     for x, y in (("a", "b"), ("a", "base"), ("b", "base")):
         assert not blocks[x] & blocks[y] and not hashes[x] & hashes[y], (x, y)
     # the base model's hashes are those of before LoRA existed
-    assert list(kv.get_block_hashes(engine.scheduler.requests["base"])) == hash_request_tokens(
+    assert engine.scheduler.requests["base"].block_hashes == hash_request_tokens(
         prompt, 16, block_extra_keys(llm.model_config.served_model_name, None))
     while engine.has_unfinished_requests():
         engine.step()

@@ -181,7 +181,7 @@ def test_blocks_out_of_every_window_are_freed_as_requests_grow(tmp_path, prompts
 
     def step_and_count():
         out = step()
-        ids = [i for ids in kv._req_to_block_ids.values() for i in ids]
+        ids = [b.block_id for blocks in kv.req_to_blocks.values() for b in blocks]
         held.append(sum(1 for i in ids if i != 0))
         kv.check_invariants()
         return out
