@@ -228,9 +228,8 @@ class EngineCore:
 
     def lora_stats(self) -> LoRAStats:
         """Running and waiting adapters' names, and max_loras (vllm:lora_requests_info)."""
-        scheduler = self.scheduler
-        waiting = [*scheduler.waiting, *scheduler.kv_transfers.waiting_for_remote_kvs.values()]
-        return lora_stats(scheduler.running, waiting,
+        s = self.scheduler
+        return lora_stats(s.running, [*s.waiting, *s.kv_transfers.waiting_for_remote_kvs.values()],
                           self.lora_config.max_loras if self.lora_config else 0)
 
     def _lora_manager(self) -> LoRAModelManager:

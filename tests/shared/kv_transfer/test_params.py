@@ -39,7 +39,9 @@ def test_a_held_prefill_answers_its_prompt_block_hashes():
     req.kv_transfer_params = RemoteDecode()
     sched.add_request(req)
     _, deltas = step(sched, FakeRunner(sched))
-    want = HeldBlocks(sched.kv_cache_manager.get_block_hashes(req)[:2])  # 40 tokens: 2 full
+    held = sched.kv_cache_manager.req_to_blocks["a"]  # 40 tokens: 2 full blocks, cached
+    want = HeldBlocks([held[0].block_hash, held[1].block_hash])
+    assert None not in want.block_hashes
     assert deltas[0].kv_transfer_params == req.kv_transfer_params == want
 
 
