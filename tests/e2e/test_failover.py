@@ -227,7 +227,7 @@ async def test_frozen_decode_streams_fail_over(gateway, cluster):
                  "every stream to get going")
     assert not run.done()
     victim = max(cluster.decodes, key=lambda d: engine.placer.in_flight[d.address])
-    on_victim = engine.placer.num_in_flight(victim.address)
+    on_victim = engine.placer.in_flight[victim.address]
     victim.freeze()
     stopped_at = time.monotonic()
     try:
@@ -292,9 +292,9 @@ async def test_a_failing_decode_step_fails_its_streams_over(gateway, cluster):
     await _until(lambda: all(len(r.texts) >= KILL_AFTER_TOKENS for r in results) or run.done(),
                  "every stream to get going")
     assert not run.done()
-    i = max(range(2), key=lambda j: engine.placer.num_in_flight(cluster.decodes[j].address))
+    i = max(range(2), key=lambda j: engine.placer.in_flight[cluster.decodes[j].address])
     victim, fault = cluster.decodes[i], cluster.fault_files[i]
-    on_victim = engine.placer.num_in_flight(victim.address)
+    on_victim = engine.placer.in_flight[victim.address]
     fault.touch()
     try:
         await run
@@ -363,7 +363,7 @@ async def test_decode_kill_mid_stream_loses_nothing(gateway, cluster, caplog):
                  or run.done(), "every stream to get going")
     assert not run.done()
     killed_at = time.monotonic()
-    on_victim = gateway.app.state.gateway.engine.placer.num_in_flight(victim.address)
+    on_victim = gateway.app.state.gateway.engine.placer.in_flight[victim.address]
     victim.kill()
     await asyncio.wait_for(run, 300)
     NUMBERS["failover_run_s"] = round(time.monotonic() - started, 2)
