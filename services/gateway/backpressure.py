@@ -39,6 +39,7 @@ requests aborted), so a client that stopped reading never holds KV or a decode s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -89,10 +90,8 @@ def unacknowledged_bytes(transport: asyncio.Transport | None) -> int:
     n = transport.get_write_buffer_size()
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile
             n += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-        except (OSError, ValueError):  # closed meanwhile
-            pass
     return n
 
 

@@ -86,7 +86,6 @@ async def run_beam_search(serving: OpenAIServing, req: SamplingRequest, prompt: 
                                  req.temperature, max_tokens=1, logprobs=2 * width,
                                  ignore_eos=True)
     beams, finished = [Beam(list(prompt))], []
-    length_penalty = req.length_penalty
     for step in range(max_tokens):
         candidates = []
         for beam, logprobs in zip(beams, await _step(serving, beams, step_params, cache_salt,
@@ -106,7 +105,7 @@ async def run_beam_search(serving: OpenAIServing, req: SamplingRequest, prompt: 
             break
     for beam in beams:
         beam.finish_reason = "length"
-    return sorted(finished + beams, key=lambda b: beam_score(b, eos, length_penalty),
+    return sorted(finished + beams, key=lambda b: beam_score(b, eos, req.length_penalty),
                   reverse=True)[:width]
 
 

@@ -167,6 +167,12 @@ def _number(g, flag: str, kind: type, default: float, help: str | None = None) -
                    help=help)
 
 
+def _switch(g, flag: str, help: str) -> None:
+    """A store_true `--flag`, on by default when PDSERVE_<FLAG> is set (but not 0 / false)."""
+    g.add_argument(flag, action="store_true", help=help,
+                   default=_env(flag[2:].replace("-", "_"), "") not in ("", "0", "false"))
+
+
 def _split_urls(values: list[str] | None) -> tuple[str, ...]:
     """`--prefill-url a:1 --prefill-url b:2` or `--prefill-url a:1,b:2`; grpc:// is dropped."""
     out: list[str] = []
@@ -285,28 +291,17 @@ def add_compat_args(parser: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template: a file path, the template itself, or the "
                         "name of one shipped in services/gateway/chat_templates/ (e.g. "
                         "tool_chat_template_smollm2_hermes.jinja)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   default=_env("enable_auto_tool_choice", "") not in ("", "0", "false"),
-                   help='serve tool_choice "auto" (needs --tool-call-parser)')
+    _switch(g, "--enable-auto-tool-choice", 'serve tool_choice "auto" (needs --tool-call-parser)')
     g.add_argument("--tool-call-parser", metavar="{" + ",".join(TOOL_PARSERS) + "}",
                    default=_env("tool_call_parser", None),
                    help="how tool calls are read from the model's output (an unknown name "
                         "is refused at start-up, in one line)")
-    g.add_argument("--allowed-origins", type=_json_list,
-                   default=_json_list(_env("allowed_origins", '["*"]')),
-                   help='CORS allowed origins, a JSON list (default ["*"])')
-    g.add_argument("--allowed-methods", type=_json_list,
-                   default=_json_list(_env("allowed_methods", '["*"]')),
-                   help='CORS allowed methods, a JSON list (default ["*"])')
-    g.add_argument("--allowed-headers", type=_json_list,
-                   default=_json_list(_env("allowed_headers", '["*"]')),
-                   help='CORS allowed headers, a JSON list (default ["*"])')
-    g.add_argument("--allow-credentials", action="store_true",
-                   default=_env("allow_credentials", "") not in ("", "0", "false"),
-                   help="CORS: allow credentials")
-    g.add_argument("--protect-metrics", action="store_true",
-                   default=_env("protect_metrics", "") not in ("", "0", "false"),
-                   help="with --api-key, /metrics needs a key too (default: open)")
+    for what in ("origins", "methods", "headers"):
+        g.add_argument(f"--allowed-{what}", type=_json_list,
+                       default=_json_list(_env(f"allowed_{what}", '["*"]')),
+                       help=f'CORS allowed {what}, a JSON list (default ["*"])')
+    _switch(g, "--allow-credentials", "CORS: allow credentials")
+    _switch(g, "--protect-metrics", "with --api-key, /metrics needs a key too (default: open)")
     g.add_argument("--metrics-compat", choices=["vllm"], default=_env("metrics_compat", None),
                    help="vllm: /metrics also carries vLLM's `vllm:` metric names")
 
@@ -358,14 +353,13 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
     model_path = str(resolve_model_path(ns.model, convert=False))
     name = ns.served_model_name or (
         ns.model if os.sep not in ns.model else os.path.basename(model_path.rstrip(os.sep)))
-    prefill = ns.prefill_url or [_env("prefill_url", "")]
-    decode = ns.decode_url or [_env("decode_url", "")]
     same_names = {name: getattr(ns, name) for name in GatewayConfig.__dataclass_fields__
                   if hasattr(ns, name)}
     return GatewayConfig(**{
         **same_names, "model_path": model_path, "served_model_name": name,
         "max_model_len": int(ns.max_model_len) if ns.max_model_len else None,
-        "prefill_urls": _split_urls(prefill), "decode_urls": _split_urls(decode),
+        "prefill_urls": _split_urls(ns.prefill_url or [_env("prefill_url", "")]),
+        "decode_urls": _split_urls(ns.decode_url or [_env("decode_url", "")]),
         "redis_url": ns.redis_url or None, "runner": "pooling" if ns.runner == "pooling"
         else "generate",
         "api_key": split_api_keys(ns.api_key or _env("api_key", None)) or None,
@@ -373,9 +367,8 @@ def config_from_cli_args(ns: argparse.Namespace) -> GatewayConfig:
         "internal_token": ns.internal_token or None, "tokenizer": _tokenizer_dir(ns.tokenizer),
         "generation_config": _generation_config_source(ns.generation_config),
         "chat_template": read_chat_template(ns.chat_template),
-        "allowed_origins": tuple(ns.allowed_origins),
-        "allowed_methods": tuple(ns.allowed_methods),
-        "allowed_headers": tuple(ns.allowed_headers)})
+        **{f"allowed_{what}": tuple(getattr(ns, f"allowed_{what}"))
+           for what in ("origins", "methods", "headers")}})
 
 
 def _generation_config_source(value: str) -> str:

@@ -10,6 +10,7 @@ the stream stays unpaused, and is asked again). Exposed as
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -49,9 +50,6 @@ class ControlCallStats:
             "pdserve_gateway_control_call_seconds", "Duration of one control call.",
             labels=["method"])
         for method, counts in sorted(self._counts.items()):
-            cumulative, buckets = 0, []
-            for bound, n in zip((*map(str, BUCKETS), "+Inf"), counts):
-                cumulative += n
-                buckets.append((bound, cumulative))
+            buckets = list(zip((*map(str, BUCKETS), "+Inf"), itertools.accumulate(counts)))
             seconds.add_metric([method], buckets, self._sums[method])
         yield seconds

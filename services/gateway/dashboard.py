@@ -47,20 +47,19 @@ SNAPSHOT_TIMEOUT_S = 5.0
 ROLES = ("prefill", "decode")
 
 
-def _static(name: str) -> str:
-    return resources.files("pdserve.services.gateway").joinpath("static", name).read_text("utf-8")
+def _static_route(name: str, media_type: str):
+    """An operator route answering the shipped file static/`name`."""
+    async def endpoint(request: Request) -> Response:
+        require_admin(request)
+        text = resources.files("pdserve.services.gateway").joinpath("static", name).read_text(
+            "utf-8")
+        return Response(text, media_type=f"{media_type}; charset=utf-8",
+                        headers={"Cache-Control": "no-store"})
+    return endpoint
 
 
-async def dashboard_page(request: Request) -> Response:
-    require_admin(request)
-    return Response(_static("dashboard.html"), media_type="text/html; charset=utf-8",
-                    headers={"Cache-Control": "no-store"})
-
-
-async def dashboard_script(request: Request) -> Response:
-    require_admin(request)
-    return Response(_static("dashboard.js"), media_type="text/javascript; charset=utf-8",
-                    headers={"Cache-Control": "no-store"})
+dashboard_page = _static_route("dashboard.html", "text/html")
+dashboard_script = _static_route("dashboard.js", "text/javascript")
 
 
 async def dashboard_feed(request: Request) -> Response:

@@ -71,8 +71,10 @@ def from_grpc_error(err: grpc.aio.AioRpcError, where: str) -> GatewayError:
     code = err.code()
     status = _GRPC_TO_HTTP.get(code, 500)
     detail = err.details() or code.name
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _is_message_too_large(detail):
-        # Not an overload: the same request would fail again, so never a retryable 429.
+    # gRPC's own RESOURCE_EXHAUSTED for a message over the channel's size limit ("Received
+    # message larger than max (N vs. M)"): not an overload, the same request would fail
+    # again, so never a retryable 429.
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in detail.lower():
         return GatewayError(f"The response would exceed the internal message limit ({where}: "
                             f"{detail}); ask for fewer prompt logprobs or a shorter prompt.",
                             400)
@@ -81,12 +83,6 @@ def from_grpc_error(err: grpc.aio.AioRpcError, where: str) -> GatewayError:
     if status == 400:
         return GatewayError(detail, 400)
     return GatewayError(f"{where} failed: {code.name}: {detail}", status)
-
-
-def _is_message_too_large(detail: str) -> bool:
-    """gRPC's own RESOURCE_EXHAUSTED for a message over the channel's size limit
-    ("Received message larger than max (N vs. M)", "Sent message larger than max ...")."""
-    return "message larger than max" in detail.lower()
 
 
 def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -67,10 +67,9 @@ class FailoverStats:
             "pdserve_gateway_failovers", "Engine requests placed again after a failure "
             "(decode: a broken stream continued; prefill: another attempt; exhausted: given "
             "up).", labels=["kind"])
-        family.add_metric(["decode"], self.decode_failovers)
-        family.add_metric(["prefill"], self.prefill_retries)
-        family.add_metric(["exhausted"], self.exhausted)
-        family.add_metric(["overload_wait"], self.overload_waits)
+        for kind, n in (("decode", self.decode_failovers), ("prefill", self.prefill_retries),
+                        ("exhausted", self.exhausted), ("overload_wait", self.overload_waits)):
+            family.add_metric([kind], n)
         yield family
 
 

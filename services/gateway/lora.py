@@ -54,12 +54,9 @@ Adapters = dict[str, LoRARequest]
 
 def adapters_of_info(info) -> Adapters:
     """The adapters an InstanceInfo registered (none from an instance that predates them)."""
-    out = {}
-    for a in getattr(info, "lora_adapters", ()) or ():
-        lora = LoRARequest(a["lora_name"], int(a["lora_int_id"]), a["lora_path"],
-                           a.get("base_model_name"))
-        out[lora.lora_name] = lora
-    return out
+    return {a["lora_name"]: LoRARequest(a["lora_name"], int(a["lora_int_id"]), a["lora_path"],
+                                        a.get("base_model_name"))
+            for a in getattr(info, "lora_adapters", ()) or ()}
 
 
 class LoRAView:
@@ -103,10 +100,8 @@ class LoRAView:
         out: dict[str, Adapters] = {}
         for address in instances:
             at, answered = self._answered.get(address, (-1e9, None))
-            if answered is not None and (address not in registered or now - at < LOCAL_TTL_S):
-                out[address] = answered
-            else:
-                out[address] = registered.get(address, {})
+            fresh = answered is not None and (address not in registered or now - at < LOCAL_TTL_S)
+            out[address] = answered if fresh else registered.get(address, {})
         self._known = frozenset(name for adapters in out.values() for name in adapters)
         return out
 
@@ -169,25 +164,23 @@ class LoRAView:
         """
         async with self._lock:
             instances = await self._instances()
-            addresses = list(instances)
-            if not addresses:
+            if not instances:
                 raise GatewayError("Service unavailable: no prefill/decode instance is known.",
                                    503)
             before = await self.by_instance()
-            if all(before.get(a, {}).get(lora.lora_name) == lora for a in addresses):
+            if all(before.get(a, {}).get(lora.lora_name) == lora for a in instances):
                 raise GatewayError(f"The lora adapter '{lora.lora_name}' has already been "
                                    "loaded.", 400, "lora_name")
-            results = await asyncio.gather(*(self._load_one(a, instances[a], lora)
-                                             for a in addresses))
-            failed = {a: e for a, e in zip(addresses, results) if e is not None}
+            results = await asyncio.gather(*(self._load_one(a, role, lora)
+                                             for a, role in instances.items()))
+            failed = {a: e for a, e in zip(instances, results) if e is not None}
             if not failed:
                 return
-            loaded_here = [a for a in addresses if a not in failed
+            loaded_here = [a for a in instances if a not in failed
                            and lora.lora_name not in before.get(a, {})]
             undone = await asyncio.gather(*(self._unload_one(a, instances[a], lora.lora_name)
                                              for a in loaded_here))
-            undone = [None if u is True or u is False else u for u in undone]
-            stuck = [a for a, e in zip(loaded_here, undone) if e is not None]
+            stuck = [a for a, u in zip(loaded_here, undone) if isinstance(u, grpc.RpcError)]
         reasons = "; ".join(f"{a}: {e.details() or e.code().name}" for a, e in failed.items())
         rollback = (f" It was unloaded again from {len(loaded_here) - len(stuck)} instance(s)"
                     if loaded_here else "")
@@ -196,7 +189,7 @@ class LoRAView:
         refused = any(e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                    grpc.StatusCode.ALREADY_EXISTS) for e in failed.values())
         raise GatewayError(f"Loading LoRA adapter '{lora.lora_name}' failed on "
-                           f"{len(failed)} of {len(addresses)} instance(s): {reasons}."
+                           f"{len(failed)} of {len(instances)} instance(s): {reasons}."
                            f"{rollback}", 400 if refused else 503, "lora_path")
 
     async def unload(self, lora_name: str) -> None:
@@ -207,15 +200,14 @@ class LoRAView:
         """
         async with self._lock:
             instances = await self._instances()
-            addresses = list(instances)
-            results = await asyncio.gather(*(self._unload_one(a, instances[a], lora_name)
-                                             for a in addresses))
-        failed = {a: r for a, r in zip(addresses, results) if isinstance(r, grpc.RpcError)}
+            results = await asyncio.gather(*(self._unload_one(a, role, lora_name)
+                                             for a, role in instances.items()))
+        failed = {a: r for a, r in zip(instances, results) if isinstance(r, grpc.RpcError)}
         if failed:
             reasons = "; ".join(f"{a}: {e.details() or e.code().name}"
                                 for a, e in failed.items())
             raise GatewayError(f"Unloading LoRA adapter '{lora_name}' failed on "
-                               f"{len(failed)} of {len(addresses)} instance(s), which may "
+                               f"{len(failed)} of {len(instances)} instance(s), which may "
                                f"still serve it: {reasons}. Unload it again once they "
                                "answer.", 503, "lora_name")
         if not any(r is True for r in results):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # vLLM's bucket edges for TTFT and end-to-end latency (seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -76,6 +76,3 @@ class GatewayMetrics:
         self.request_inference_time = Histogram(
             "pdserve_gateway_request_inference_time_seconds",
             "From the engine call to the last token.", buckets=_E2E_BUCKETS, registry=r)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

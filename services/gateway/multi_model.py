@@ -200,10 +200,8 @@ def _model_of(body: bytes, path: str) -> str | None:
         parsed = json.loads(body or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    if not isinstance(parsed, dict):
-        return None
     key = "base_model_name" if path.endswith("_lora_adapter") else "model"
-    value = parsed.get(key)
+    value = parsed.get(key) if isinstance(parsed, dict) else None
     return value if isinstance(value, str) else None
 
 

@@ -32,7 +32,6 @@ from pdserve.services.gateway.protocol_pooling import (
 )
 
 _REF = "#/components/schemas/{model}"
-_PUBLIC = PUBLIC_ROUTES
 _CONVERTER = re.compile(r"\{(\w+):\w+\}")
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     "/v1/completions": CompletionRequest,
@@ -124,12 +123,12 @@ def _operation(path: str, method: str) -> dict:
         op["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": _REF.format(model=model.__name__)}}}}
         op["responses"].update({code: _error_response(text) for code, text in _STATUSES.items()
-                                if code != "401" or path not in _PUBLIC})
+                                if code != "401" or path not in PUBLIC_ROUTES})
     elif path in ("/health", "/ping"):
         op["responses"]["503"] = _health_response("No decode instance serves")
     else:
         op["responses"]["default"] = _error_response("An OpenAI error object")
-    if path in _PUBLIC:
+    if path in PUBLIC_ROUTES:
         op["security"] = []
     elif "401" not in op["responses"]:
         op["responses"]["401"] = _error_response(_STATUSES["401"])

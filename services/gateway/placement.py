@@ -157,33 +157,31 @@ class Placer:
     async def _candidates(self, role: str, cached: dict[str, int]) -> list[Candidate]:
         live = await self._live(role)
         if live:
-            out = [Candidate(i.address, i.instance_id,
-                             int(i.num_running) + int(i.num_waiting) + self.in_flight[i.address],
-                             cached.get(i.instance_id, 0)) for i in live]
-        else:
-            static = self.prefill_urls if role == "prefill" else self.decode_urls
-            out = [Candidate(a, a, self.in_flight[a], 0) for a in static]
-        return out
+            return [Candidate(i.address, i.instance_id,
+                              int(i.num_running) + int(i.num_waiting) + self.in_flight[i.address],
+                              cached.get(i.instance_id, 0)) for i in live]
+        static = self.prefill_urls if role == "prefill" else self.decode_urls
+        return [Candidate(a, a, self.in_flight[a], 0) for a in static]
 
     def _usable(self, candidates: list[Candidate]) -> list[Candidate]:
         if self.health is None:
             return candidates
         return [c for c in candidates if self.health.is_usable(c.address)]
 
-    async def _decode_candidates(self, cached: dict[str, int],
-                                 avoid: Collection[str]) -> list[Candidate]:
-        everything = await self._candidates("decode", cached)
+    async def _usable_rechecked(self, role: str, cached: dict[str, int]) -> list[Candidate]:
+        """The usable candidates of `role`; when none is, every one is checked live first."""
+        everything = await self._candidates(role, cached)
         usable = self._usable(everything)
         if not usable and everything and self.health is not None:
             await self.health.refresh([c.address for c in everything], HEALTH_RECHECK_BOUND)
             usable = self._usable(everything)
-        preferred = [c for c in usable if c.address not in avoid]
-        return preferred or usable
+        return usable
 
     @staticmethod
-    def _best(candidates: list[Candidate], min_cached_blocks: int) -> Candidate | None:
-        # Most cached blocks (at least min_cached_blocks) first, then least load; stable on
-        # the list order otherwise.
+    def _best(candidates: list[Candidate], num_tokens: int, block_size: int) -> Candidate | None:
+        # Most cached blocks (at least MIN_CACHED_FRACTION of the prompt's) first, then least
+        # load; stable on the list order otherwise.
+        min_cached_blocks = max(1, math.ceil(MIN_CACHED_FRACTION * num_tokens / block_size))
         return min(candidates, default=None, key=lambda c: (
             -c.num_cached_blocks if c.num_cached_blocks >= min_cached_blocks else 0, c.load))
 
@@ -216,10 +214,9 @@ class Placer:
         cached = await self._cached_blocks(prompt_hashes or PromptHashes(prompt_token_ids),
                                            model_name, cache_salt, block_size,
                                            quantization, lora_request)
-        candidates = _preferred(await self._decode_candidates(cached, avoid), prefer)
-        min_cached_blocks = max(1, math.ceil(
-            MIN_CACHED_FRACTION * len(prompt_token_ids) / block_size))
-        decode = self._best(candidates, min_cached_blocks)
+        usable = await self._usable_rechecked("decode", cached)
+        candidates = _preferred([c for c in usable if c.address not in avoid] or usable, prefer)
+        decode = self._best(candidates, len(prompt_token_ids), block_size)
         logger.debug("placement: cached blocks %s, decode candidates %s -> %s", cached,
                      candidates, decode)
         if decode is None:
@@ -229,7 +226,8 @@ class Placer:
         uncached = len(prompt_token_ids) - decode.num_cached_blocks * block_size
         prefill = self._best([c for c in self._usable(await self._candidates("prefill", cached))
                               if c.address not in avoid
-                              and (prefer is None or c.address in prefer)], min_cached_blocks)
+                              and (prefer is None or c.address in prefer)],
+                             len(prompt_token_ids), block_size)
         if prefill is None or uncached < self.local_prefill_threshold:
             return Placement(None, decode.address)
         if self.max_prefill_queue_size and \
@@ -247,13 +245,9 @@ class Placer:
         cached = await self._cached_blocks(prompt_hashes or PromptHashes(prompt_token_ids),
                                            model_name, cache_salt, block_size,
                                            quantization)
-        everything = await self._candidates("prefill", cached)
-        usable = self._usable(everything)
-        if not usable and everything and self.health is not None:
-            await self.health.refresh([c.address for c in everything], HEALTH_RECHECK_BOUND)
-            usable = self._usable(everything)
-        best = self._best([c for c in usable if c.address not in avoid], max(1, math.ceil(
-            MIN_CACHED_FRACTION * len(prompt_token_ids) / block_size)))
+        usable = await self._usable_rechecked("prefill", cached)
+        best = self._best([c for c in usable if c.address not in avoid],
+                          len(prompt_token_ids), block_size)
         return None if best is None else best.address
 
 

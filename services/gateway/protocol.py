@@ -41,7 +41,24 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class NullMeansDefault(OpenAIBaseModel):
+    """A request model whose optional fields take null for their default (OpenAI's)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's API allows null for its optional fields (`n`, `logprobs`, `echo`, ...),
+        and vLLM's schema types them Optional: an explicit null means the default here too
+        (a required field's null stays an error)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and not fields[k].is_required()
+                        and fields[k].default is not None)}
+
+
+class SamplingRequest(NullMeansDefault):
     """Fields both generation endpoints share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -101,24 +118,9 @@ class SamplingRequest(OpenAIBaseModel):
     guided_decoding_backend: str | None = None
     """vLLM's older field: only "xgrammar" (the one backend) or "auto"; others are refused."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data):
-        """OpenAI's API allows null for its optional fields (`n`, `logprobs`, `echo`, ...),
-        and vLLM's schema types them Optional: an explicit null means the default here too
-        (a required field's null stays an error)."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if not (v is None and k in fields and not fields[k].is_required()
-                        and fields[k].default is not None)}
-
     @property
     def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
@@ -213,10 +215,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
-        return self.max_tokens
-
+        return self.max_tokens if self.max_completion_tokens is None else \
+            self.max_completion_tokens
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -297,10 +297,9 @@ NO_EFFECT_IN_VLLM = ("user", "return_token_offsets", "return_mm_kwargs", "mm_pay
 vLLM honours only on its /render endpoints ("ignored on regular generation endpoints")."""
 
 
-def _check_not_implemented(req: SamplingRequest) -> None:
-    table = dict(NOT_IMPLEMENTED)
-    if isinstance(req, ChatCompletionRequest):
-        table.update(CHAT_NOT_IMPLEMENTED)
+def check_not_implemented(req: BaseModel, table: dict[str, tuple]) -> None:
+    """Raises: GatewayError 400 naming the first field of `table` (name -> the values with no
+    effect) that `req` sets to any other value."""
     extra = req.model_extra or {}
     for name, no_effect in table.items():
         value = extra.get(name)
@@ -315,7 +314,8 @@ def check_unsupported(req: SamplingRequest) -> None:
     Raises:
         GatewayError: 400 naming the first such field set to a value with an effect.
     """
-    _check_not_implemented(req)
+    check_not_implemented(req, {**NOT_IMPLEMENTED, **CHAT_NOT_IMPLEMENTED}
+                          if isinstance(req, ChatCompletionRequest) else NOT_IMPLEMENTED)
     if req.length_penalty != 1.0 and not req.use_beam_search:
         raise bad_request("length_penalty needs use_beam_search", "length_penalty")
     if req.guided_decoding_backend not in (None, "xgrammar", "auto"):

@@ -136,8 +136,6 @@ class RegistryView:
         while True:
             try:
                 await self.refresh()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # keep the last view; try again at the next interval
                 logger.exception("registry refresh failed")
             await asyncio.sleep(self.interval)

@@ -31,10 +31,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ValidationError, model_validator
+from pydantic import ValidationError
 
 from pdserve.services.gateway.errors import bad_request
-from pdserve.services.gateway.protocol import ChatCompletionRequest, OpenAIBaseModel
+from pdserve.services.gateway.protocol import (
+    ChatCompletionRequest,
+    NullMeansDefault,
+    check_not_implemented,
+)
 
 BUILT_IN_TOOLS = frozenset({
     "web_search", "web_search_preview", "web_search_2025_08_26",
@@ -54,7 +58,7 @@ _NO_EFFECT: dict[str, tuple] = {
 values that have no effect: anything else is a 400 naming the field."""
 
 
-class ResponsesRequest(OpenAIBaseModel):
+class ResponsesRequest(NullMeansDefault):
     """POST /v1/responses (OpenAI's fields, and vLLM's extras pdserve serves)."""
 
     model: str | None = None
@@ -85,17 +89,6 @@ class ResponsesRequest(OpenAIBaseModel):
     priority: int = 0
     skip_special_tokens: bool = True
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_the_default(cls, data):
-        """An explicit null means the field's default (as OpenAI's API allows)."""
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if not (v is None and k in fields and not fields[k].is_required()
-                        and fields[k].default is not None)}
-
 
 def check_responses_request(req: ResponsesRequest) -> None:
     """Refuse what pdserve does not serve, naming the field.
@@ -103,11 +96,7 @@ def check_responses_request(req: ResponsesRequest) -> None:
     Raises:
         GatewayError: 400 naming the first such field.
     """
-    extra = req.model_extra or {}
-    for name, no_effect in _NO_EFFECT.items():
-        value = extra.get(name)
-        if not any(value == v and type(value) is type(v) for v in no_effect):
-            raise bad_request(f"{name} is not supported by pdserve", name)
+    check_not_implemented(req, _NO_EFFECT)
     if req.background:
         raise bad_request("background mode is not supported by pdserve", "background")
     if req.reasoning and any(v is not None for v in req.reasoning.values()):

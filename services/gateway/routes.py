@@ -52,18 +52,14 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _model_card(gw) -> dict:
-    return {"id": gw.config.served_model_name, "object": "model", "created": gw.created,
-            "owned_by": "pdserve", "root": gw.config.model_path, "parent": None,
-            "max_model_len": await gw.tokenization.max_model_len()}
-
-
 async def _cards(request: Request) -> list[dict]:
     """The served model's card, then one per LoRA adapter (`parent`: the base model, as
     vLLM's); behind several models (multi_model.py) each model's in turn."""
     cards = []
     for gw in getattr(request.app.state, "gateways", None) or [request.app.state.gateway]:
-        base = await _model_card(gw)
+        base = {"id": gw.config.served_model_name, "object": "model", "created": gw.created,
+                "owned_by": "pdserve", "root": gw.config.model_path, "parent": None,
+                "max_model_len": await gw.tokenization.max_model_len()}
         lora = gw.lora
         cards += [base] + [{**base, "id": a.lora_name, "root": a.lora_path,
                             "parent": base["id"]}
@@ -89,48 +85,27 @@ async def version(request: Request) -> Response:
     return JSONResponse({"version": _version()})
 
 
-async def create_completion(request: Request) -> Response:
-    _require_generate(request, "Completions")
-    req = parse_request(CompletionRequest, await read_body(request))
-    return await request.app.state.gateway.completion.create(req, request)
+def _parsed(model_cls: type, serve, generate_api: str | None = None):
+    """A POST handler: the body parsed as `model_cls`, handed to `serve(gateway)(req,
+    request)`. `generate_api`: a generate route, whose name a pooling deployment (--runner
+    pooling: it generates nothing) refuses with 404, as vLLM."""
+    async def handler(request: Request) -> Response:
+        gateway = request.app.state.gateway
+        if generate_api is not None and gateway.config.runner == "pooling":
+            raise not_supported(generate_api)
+        req = parse_request(model_cls, await read_body(request))
+        return await serve(gateway)(req, request)
+    return handler
 
 
-async def create_chat_completion(request: Request) -> Response:
-    _require_generate(request, "Chat Completions")
-    req = parse_request(ChatCompletionRequest, await read_body(request))
-    return await request.app.state.gateway.chat.create(req, request)
-
-
-def _require_generate(request: Request, api: str) -> None:
-    """A pooling deployment (--runner pooling) generates nothing: 404, as vLLM."""
-    if request.app.state.gateway.config.runner == "pooling":
-        raise not_supported(api)
-
-
-async def create_embedding(request: Request) -> Response:
-    req = parse_request(EmbeddingRequest, await read_body(request))
-    return await request.app.state.gateway.pooling.embeddings(req, request)
-
-
-async def create_pooling(request: Request) -> Response:
-    req = parse_request(PoolingRequest, await read_body(request))
-    return await request.app.state.gateway.pooling.pooling(req, request)
-
-
-async def create_score(request: Request) -> Response:
-    req = parse_request(ScoreRequest, await read_body(request))
-    return await request.app.state.gateway.pooling.score(req, request)
-
-
-async def create_rerank(request: Request) -> Response:
-    req = parse_request(RerankRequest, await read_body(request))
-    return await request.app.state.gateway.pooling.rerank(req, request)
-
-
-async def create_response(request: Request) -> Response:
-    _require_generate(request, "Responses")
-    req = parse_request(ResponsesRequest, await read_body(request))
-    return await request.app.state.gateway.responses.create(req, request)
+create_completion = _parsed(CompletionRequest, lambda gw: gw.completion.create, "Completions")
+create_chat_completion = _parsed(ChatCompletionRequest, lambda gw: gw.chat.create,
+                                 "Chat Completions")
+create_response = _parsed(ResponsesRequest, lambda gw: gw.responses.create, "Responses")
+create_embedding = _parsed(EmbeddingRequest, lambda gw: gw.pooling.embeddings)
+create_pooling = _parsed(PoolingRequest, lambda gw: gw.pooling.pooling)
+create_score = _parsed(ScoreRequest, lambda gw: gw.pooling.score)
+create_rerank = _parsed(RerankRequest, lambda gw: gw.pooling.rerank)
 
 
 async def retrieve_response(request: Request) -> Response:

@@ -131,12 +131,6 @@ def resolve_max_tokens(num_prompt_tokens: int, requested: int | None, max_model_
         cap: the generation config's `max_new_tokens`: at most that many, whatever was asked
             (vLLM's `get_max_tokens` takes the smallest of the limits it knows).
     """
-    tokens = _max_tokens(num_prompt_tokens, requested, max_model_len, default, param)
-    return tokens if cap is None else min(tokens, cap)
-
-
-def _max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: int,
-                default: int | None, param: str) -> int:
     if num_prompt_tokens >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
@@ -144,14 +138,14 @@ def _max_tokens(num_prompt_tokens: int, requested: int | None, max_model_len: in
             f"input.", "messages" if param == "max_completion_tokens" else "prompt")
     remaining = max_model_len - num_prompt_tokens
     if requested is None:
-        return min(default, remaining) if default is not None else remaining
-    if requested > remaining:
+        requested = min(default, remaining) if default is not None else remaining
+    elif requested > remaining:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
             f"input, {requested} for the completion). Please reduce the length of the input "
             f"or of {param}.", param)
-    return requested
+    return requested if cap is None else min(requested, cap)
 
 
 NO_DEFAULTS = GenerationDefaults()
@@ -249,8 +243,7 @@ def parse_logit_bias(value: dict[str, float] | None, vocab_size: int) -> dict[in
         try:
             token_id = int(key)
         except ValueError:
-            bad.append(key)
-            continue
+            token_id = -1
         if not 0 <= token_id < vocab_size:
             bad.append(key)
             continue

@@ -8,6 +8,7 @@ JSON error with its own status, also for `stream: true`), SSE framing and usage.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -65,16 +66,13 @@ class ChoiceRun:
     first_token_at: float | None = None
     """time.monotonic() of the run's first output (None: none yet)."""
 
-    def release(self) -> None:
-        if self.grant is not None:
-            self.grant.release()
-
     async def close(self) -> None:
         """Stop every choice still running and leave the queue (idempotent)."""
         try:
             await self.deltas.aclose()  # type: ignore[attr-defined]
         finally:
-            self.release()
+            if self.grant is not None:
+                self.grant.release()
 
     def usage(self) -> dict:
         n = len(self.processors) // max(len(self.prompts), 1)
@@ -367,16 +365,12 @@ class OpenAIServing:
             self.metrics.streams_cut_slow_client.inc()
 
         config = self.config
-        pause = None
-        if config.stream_pause_bytes:
-            prefix, request_id = request.state.engine_request_prefix, request.state.request_id
-
-            async def set_paused(paused: bool) -> bool:
-                return await self.engine.channels.set_paused(prefix, paused, request_id)
-            pause = dict(set_paused=set_paused, pause_at=config.stream_pause_bytes,
-                         resume_at=config.stream_resume_bytes,
-                         max_pause_s=config.max_stream_pause_s,
-                         on_pause=self.metrics.streams_paused.inc)
+        pause = None if not config.stream_pause_bytes else dict(
+            set_paused=functools.partial(self.engine.channels.set_paused,  # (paused)
+                                         request.state.engine_request_prefix,
+                                         request_id=request.state.request_id),
+            pause_at=config.stream_pause_bytes, resume_at=config.stream_resume_bytes,
+            max_pause_s=config.max_stream_pause_s, on_pause=self.metrics.streams_paused.inc)
         transport = request.scope.get("extensions", {}).get(TRANSPORT_KEY)
         backlog = StreamBacklog(events(), config.max_stream_backlog, on_cut, transport, pause)
         return _RunStreamingResponse(backlog, run, media_type="text/event-stream",

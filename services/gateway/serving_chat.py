@@ -192,8 +192,8 @@ class _ChatOutput:
                     d.logprobs, bool(self.req.return_tokens_as_token_ids))
             if d.finish_reason is not None:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
-        if self.tool_mode is not None:
-            for c in choices.values():
+        for c in choices.values():
+            if self.tool_mode is not None:
                 content, calls = self.tool_mode.parser.extract_tool_calls(
                     c["message"]["content"])
                 if calls:
@@ -201,8 +201,7 @@ class _ChatOutput:
                                     "tool_calls": [call.to_dict() for call in calls]}
                     if c["finish_reason"] == "stop":
                         c["finish_reason"] = "tool_calls"
-        if self.echo_text:
-            for c in choices.values():
+            if self.echo_text:
                 c["message"]["content"] = self.echo_text + (c["message"]["content"] or "")
         out = {**self.meta, "object": "chat.completion",
                "choices": [choices[i] for i in sorted(choices)], "usage": run.usage()}

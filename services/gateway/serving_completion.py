@@ -45,12 +45,10 @@ class CompletionServing(OpenAIServing):
 
     async def _prompts(self, req: CompletionRequest) -> list[PromptInput]:
         prompt = req.prompt
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
-        if isinstance(prompt[0], int):
-            prompt = [prompt]
         # Cheap refusals first: before a single prompt is tokenized.
         self.admission.check_fits(len(prompt) * req.n,
                                   param="n" if req.n > 1 else "prompt")

@@ -133,14 +133,12 @@ class ResponsesServing:
             started = await self.chat.start_chat(to_chat_request(req, history), request)
             assert not isinstance(started, Response)  # never a beam search
             run, turn.chat_out = started
-            if not req.stream:
-                response = await self.chat.respond(request, run, False, turn.build_response,
-                                                   turn.events, False, {})
+            response = await self.chat.respond(request, run, bool(req.stream), turn.build_response,
+                                               turn.events, False, {}, frame=turn.frame,
+                                               done=False)
+            if not req.stream:  # (a stream saves before its last event)
                 await turn.save()
-                return response
-            return await self.chat.respond(request, run, True, turn.build_response,
-                                           turn.events, False, {}, frame=turn.frame,
-                                           done=False)
+            return response
         except GatewayError as e:
             raise _renamed(e) from None
 
@@ -253,18 +251,14 @@ class _Turn:
         async for chunk in self.chat_out.stream_chunks(run, first):  # type: ignore[union-attr]
             for choice in chunk["choices"]:
                 delta = choice["delta"]
-                if delta.get("content"):
-                    for event in self._text(delta["content"]):
-                        yield event
+                events = self._text(delta["content"]) if delta.get("content") else []
                 for call in delta.get("tool_calls") or ():
-                    for event in self._call(call):
-                        yield event
+                    events += self._call(call)
+                for event in events:
+                    yield event
                 finish = choice.get("finish_reason") or finish
         status = "incomplete" if finish == "length" else "completed"
-        if not self.output:
-            for event in self._text(""):
-                yield event
-        for event in self._close(status):
+        for event in (self._text("") if not self.output else []) + self._close(status):
             yield event
         self.final = self.response(status, self.output, response_usage(run.usage()))
         await self.save()

@@ -60,10 +60,6 @@ class ShutdownNotice:
             self._cut = asyncio.Event()
         return self._cut
 
-    @property
-    def is_cut(self) -> bool:
-        return self._cut is not None and self._cut.is_set()
-
     def begin(self, grace: float) -> None:
         """Start the grace period (call on the event loop)."""
         if not self.draining:
@@ -78,7 +74,7 @@ class ShutdownNotice:
 
     async def race(self, awaitable) -> object:
         """`awaitable`'s result, or ServerShutdown when the grace period ends first."""
-        if self.is_cut:
+        if self._cut is not None and self._cut.is_set():
             raise ServerShutdown()
         return await run_unless(awaitable, self.wait(), ServerShutdown)
 

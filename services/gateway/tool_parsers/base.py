@@ -282,6 +282,16 @@ class JsonCallStream:
         self._object = self._args_at = self._args = None
         return end, True
 
+    def _step_object(self, out: list[dict]) -> bool:
+        """The buffer starts with a call's "{": on to state "after" once the call closed,
+        "text" once it went out as content (a subclass's `_state`)."""
+        read = self._read_object(out)
+        if read is None:
+            return False
+        self._buffer = self._buffer[read[0]:]
+        self._state = "after" if read[1] else "text"
+        return True
+
     def _parse_call(self, text: str) -> tuple[str, str] | None:
         """(name, arguments) of a call object in any key order; None when not a call."""
         try:

@@ -63,8 +63,6 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content before the first call or None, calls) of a whole answer; (text, []) when it
     holds no well-formed call."""
     start = text.find(START)
-    if start < 0:
-        return text, []
     calls = []
     for body in _CALL.findall(text):
         parsed = _parse_body(body)
@@ -165,7 +163,6 @@ class HermesStream:
         self._in_call = False
         self.num_calls += 1
         return True
-
 
 
 class HermesToolParser(ToolParser):

@@ -43,12 +43,7 @@ class Llama3JsonStream(JsonCallStream):
     def _step(self, out: list[dict]) -> bool:
         buffer = self._buffer
         if self._state == "object":
-            read = self._read_object(out)
-            if read is None:
-                return False
-            self._buffer = buffer[read[0]:]
-            self._state = "after" if read[1] else "text"
-            return True
+            return self._step_object(out)
         if self._state == "after":
             if not buffer.strip():
                 return False  # whitespace: wait for a ";" or the end

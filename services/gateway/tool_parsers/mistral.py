@@ -43,11 +43,6 @@ _NAME_SO_FAR = re.compile(NAME + r"\s*(?:\[(?:A(?:R(?:G(?:S\]?)?)?)?)?)?\s*")
 """A head of that form still being written."""
 
 
-def mistral_call_id() -> str:
-    """9 alphanumeric characters, as mistral-common validates tool call ids."""
-    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
-
-
 class MistralStream(JsonCallStream):
     header = re.compile(r'\{\s*"name"\s*:\s*"' + NAME + r'"\s*,\s*"arguments"\s*:\s*(?=\{)')
 
@@ -60,11 +55,15 @@ class MistralStream(JsonCallStream):
         call's arguments."""
 
     def new_id(self) -> str:
-        return mistral_call_id()
+        """9 alphanumeric characters, as mistral-common validates tool call ids."""
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
     def _step(self, out: list[dict]) -> bool:
-        steps = {"text": self._step_text, "open": self._step_open, "item": self._step_item,
-                 "object": self._step_object, "after": self._step_after, "args": self._step_args}
+        steps = {"text": self._step_text, "open": self._step_open,
+                 "item": lambda out: self._step_in_array("{", "object", keep=True),
+                 "object": self._step_object,
+                 "after": lambda out: self._step_in_array(",", "item", keep=False),
+                 "args": self._step_args}
         return steps[self._state](out)
 
     def _step_text(self, out: list[dict]) -> bool:
@@ -93,34 +92,18 @@ class MistralStream(JsonCallStream):
             return True
         if _NAME_SO_FAR.fullmatch(rest):
             return False  # the name, or its [ARGS], is still being written
-        return self._not_a_call(out, len(BOT))
+        self._content(out, BOT)  # not a call after all: content, and on after it
+        self._buffer, self._state = self._buffer[len(BOT):], "text"
+        return True
 
-    def _step_item(self, out: list[dict]) -> bool:
+    def _step_in_array(self, expected: str, then: str, keep: bool) -> bool:
+        """In the array: `expected` (kept in the buffer when `keep`) goes on to state `then`,
+        "]" ends the array; anything else is text."""
         rest = self._buffer.lstrip()
         if not rest:
             return False
-        if rest[0] == "{":
-            self._buffer, self._state = rest, "object"
-        elif rest[0] == "]":
-            self._buffer, self._state = rest[1:], "text"
-        else:
-            self._state = "text"
-        return True
-
-    def _step_object(self, out: list[dict]) -> bool:
-        read = self._read_object(out)
-        if read is None:
-            return False
-        self._buffer = self._buffer[read[0]:]
-        self._state = "after" if read[1] else "text"
-        return True
-
-    def _step_after(self, out: list[dict]) -> bool:
-        rest = self._buffer.lstrip()
-        if not rest:
-            return False
-        if rest[0] == ",":
-            self._buffer, self._state = rest[1:], "item"
+        if rest[0] == expected:
+            self._buffer, self._state = rest if keep else rest[1:], then
         elif rest[0] == "]":
             self._buffer, self._state = rest[1:], "text"
         else:
@@ -133,12 +116,6 @@ class MistralStream(JsonCallStream):
             return False
         self._args_at = self._args = None
         self._buffer, self._state = self._buffer[end:], "text"
-        return True
-
-    def _not_a_call(self, out: list[dict], length: int) -> bool:
-        """The first `length` characters are content after all; go on after them."""
-        self._content(out, self._buffer[:length])
-        self._buffer, self._state = self._buffer[length:], "text"
         return True
 
 
