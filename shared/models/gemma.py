@@ -30,8 +30,8 @@ from torch import nn
 
 from pdserve.shared.models import gemma_config
 from pdserve.shared.models.architectures import check_hf_config
-from pdserve.shared.models.layers import Linear, RMSNorm
-from pdserve.shared.models.llama import LlamaForCausalLM
+from pdserve.shared.models.layers import RMSNorm
+from pdserve.shared.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from pdserve.shared.models.rotary import RotaryEmbedding, RotaryInputs
 
 
@@ -66,6 +66,11 @@ class GemmaArgs:
     """The local layers' rope parameters (`rope_theta`, `rope_type`, scaling fields)."""
     rope_global: dict
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """As LlamaArgs' (Gemma biases o_proj with q/k/v)."""
+        return self.attention_bias
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> GemmaArgs:
         """Raises ValueError for a part this file does not implement (`check_hf_config`)."""
@@ -97,24 +102,13 @@ class GemmaArgs:
         )
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """LlamaAttention's modules (o_proj biased as q/k/v), Gemma's scale and score soft cap."""
+
     def __init__(self, args: GemmaArgs, sliding_window: int | None) -> None:
-        super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
+        super().__init__(args, sliding_window)  # type: ignore[arg-type]
         self.scale = args.query_pre_attn_scalar ** -0.5
-        self.sliding_window = sliding_window
-        """This layer's window in tokens (None: a global layer)."""
         self.logits_soft_cap = args.attn_logit_softcapping
-        # NOTE: q, k and v share one matmul, as in llama.py (the loader stacks the rows).
-        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=args.attention_bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, rotary_inputs: RotaryInputs,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn) -> torch.Tensor:
@@ -132,13 +126,8 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, args: GemmaArgs) -> None:
-        super().__init__()
-        self.intermediate_size = args.intermediate_size
-        # NOTE: gate and up share one matmul; the loader stacks gate_proj then up_proj.
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
+class GemmaMLP(LlamaMLP):
+    """LlamaMLP's modules; GeGLU, always the torch ops (`use_fused_cpu_ops` is not read)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
