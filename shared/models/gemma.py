@@ -21,7 +21,6 @@ Source: Gemma Team 2024 (Gemma 2), 2025 (Gemma 3).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -250,39 +249,3 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
-
-
-def _plus_one(weight: torch.Tensor) -> torch.Tensor:
-    """A Gemma norm weight w as the factor (1 + w) in fp32, as transformers computes it."""
-    return 1.0 + weight.float()
-
-
-def gemma_state_dict(args: GemmaArgs, take: Callable[[str], torch.Tensor]
-                     ) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights under GemmaForCausalLM's names: q/k/v and gate/up stacked,
-    every norm weight as (1 + w). `take(name)` pops a checkpoint weight (ValueError if
-    missing)."""
-    state = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-             "norm.weight": _plus_one(take("model.norm.weight"))}
-    if not args.tie_word_embeddings:
-        state["lm_head_weight"] = take("lm_head.weight")
-    norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-             "post_feedforward_layernorm"]
-    if args.qk_norm:
-        norms += ["self_attn.q_norm", "self_attn.k_norm"]
-    for i in range(args.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        att = p + "self_attn."
-        state[q + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(att + f"{n}_proj.weight") for n in "qkv"], dim=0)
-        state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
-        if args.attention_bias:
-            state[q + "self_attn.qkv_proj.bias"] = torch.cat(
-                [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
-            state[q + "self_attn.o_proj.bias"] = take(att + "o_proj.bias")
-        state[q + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
-        state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        for norm in norms:
-            state[q + norm + ".weight"] = _plus_one(take(p + norm + ".weight"))
-    return state
