@@ -201,13 +201,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 self.rotary_local = RotaryEmbedding(
                     args.head_dim, args.max_position_embeddings, args.rope_local["rope_theta"],
                     args.rope_local)
-        self.lm_head_weight = None if args.tie_word_embeddings else nn.Parameter(
-            torch.empty(args.vocab_size, args.hidden_size))
-        self.lm_head_packed = None
-        self.lm_head_gemv = None
-        self.lm_head_int8 = None
-        self.quantization = "none"
-        self.weight_bytes_saved = 0
+        self._init_lm_head(args)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
