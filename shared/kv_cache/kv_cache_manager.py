@@ -226,14 +226,6 @@ class KVCacheManager:
         if num_skip and request.request_id not in self.req_to_blocks:
             self.req_to_blocks[request.request_id] = [self.block_pool.null_block] * num_skip
 
-    def _num_null_blocks(self, blocks: list[KVCacheBlock]) -> int:
-        """The leading null blocks of a request's list (out of the window)."""
-        null = self.block_pool.null_block
-        n = 0
-        while n < len(blocks) and blocks[n] is null:
-            n += 1
-        return n
-
     def trim_blocks(self, request: Request, num_tokens: int) -> None:
         """Free `request`'s blocks past the first cdiv(num_tokens, block_size), last block
         first: the rollback of rejected speculative drafts' slots.
@@ -300,7 +292,8 @@ class KVCacheManager:
         for request_id, blocks in self.req_to_blocks.items():
             num_cached = self.num_cached_block.get(request_id, 0)
             assert num_cached <= len(blocks), f"{request_id}: more blocks cached than held"
-            num_null = self._num_null_blocks(blocks) if self.sliding_window is not None else 0
+            num_null = next((i for i, b in enumerate(blocks) if b is not null), len(blocks)) \
+                if self.sliding_window is not None else 0  # leading: out of the window
             for i, block in enumerate(blocks[num_null:], num_null):
                 assert block is not null, f"{request_id} holds block 0 at index {i}"
                 holders[block.block_id] += 1

@@ -48,12 +48,10 @@ def checkpoint_files(model_path: Path) -> list[Path]:
 
 
 def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
-    files = checkpoint_files(model_path)
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in checkpoint_files(model_path):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+            tensors.update((name, f.get_tensor(name)) for name in f.keys())
     return tensors
 
 
