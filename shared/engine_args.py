@@ -330,17 +330,13 @@ class EngineArgs:
         if self.quantization == "int8" and (self.device != "cpu" or dtype != "float32"):
             raise ValueError("quantization int8 needs --device cpu and --dtype float32, got "
                              f"{self.device} {dtype}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0, got "
-                             f"{self.long_prefill_token_threshold}")
+        for name in ("long_prefill_token_threshold", "max_decode_stall_ms", "burst_gap_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
             raise ValueError("slo_ttft_ms and slo_tpot_ms must be >= 0 (0: no target)")
         if self.slo_early_reject and self.slo_ttft_ms <= 0:
             raise ValueError("--slo-early-reject needs a TTFT target (--slo-ttft-ms)")
-        if self.max_decode_stall_ms < 0:
-            raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
-        if self.burst_gap_ms < 0:
-            raise ValueError(f"burst_gap_ms must be >= 0, got {self.burst_gap_ms}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.block_size < 16 and (self.device == "cuda" or self.attention_backend == "triton"):

@@ -84,15 +84,9 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params or SamplingParams()
-        params_list = (list(params) if isinstance(params, (list, tuple))
-                       else [params] * len(prompts))
-        if len(params_list) != len(prompts):
-            raise ValueError("sampling_params: need one per prompt")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError("lora_request: need one per prompt")
+        params_list = _one_per_prompt("sampling_params", sampling_params or SamplingParams(),
+                                      len(prompts))
+        loras = _one_per_prompt("lora_request", lora_request, len(prompts))
         for lora in {lr.lora_int_id: lr for lr in loras if lr is not None}.values():
             if lora.lora_int_id not in self.engine.list_loras():
                 self.engine.add_lora(lora)
@@ -134,9 +128,7 @@ class LLM:
             out.num_cached_tokens = max(out.num_cached_tokens, req.num_cached_tokens)
             if out.prompt_logprobs is None and req.prompt_logprobs is not None:
                 out.prompt_logprobs = list(req.prompt_logprobs)
-        for out in outputs.values():
-            out.outputs.sort(key=lambda c: c.index)
-        return list(outputs.values())
+        return list(outputs.values())  # each one's choices in index order (added so)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None,
@@ -147,3 +139,11 @@ class LLM:
                                                             add_generation_prompt)}
                    for conv in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params)
+
+
+def _one_per_prompt(name: str, value: Any, num_prompts: int) -> list:
+    """`value` repeated per prompt, or a list or tuple of one per prompt (ValueError else)."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"{name}: need one per prompt")
+    return values

@@ -34,14 +34,25 @@ class PoolerConfig:
     normalize: bool = True
 
     @classmethod
-    def from_value(cls, value: str | dict | None) -> PoolerConfig:
-        """`--pooler-config` JSON (or a dict). Raises ValueError naming the key."""
-        if value is None or value == "":
-            return cls()
-        value = cls._json(value)
-        if not isinstance(value, dict):
-            raise ValueError("pooler_config must be a JSON object, e.g. "
-                             '{"pooling_type": "MEAN", "normalize": true}')
+    def from_flags(cls, pooler_config: str | dict | None,
+                   override_pooler_config: str | dict | None) -> PoolerConfig:
+        """--pooler-config JSON (or a dict), with --override-pooler-config's keys over it
+        (vLLM's older spelling). Raises ValueError naming the key."""
+        merged: dict = {}
+        for value in (pooler_config, override_pooler_config):
+            if value:
+                try:
+                    parsed = json.loads(value) if isinstance(value, str) else value
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"pooler_config: not JSON ({e})") from None
+                if not isinstance(parsed, dict):
+                    raise ValueError("pooler_config must be a JSON object")
+                merged.update(parsed)
+        return cls.from_value(merged)
+
+    @classmethod
+    def from_value(cls, value: dict) -> PoolerConfig:
+        """A --pooler-config object (vLLM's keys). Raises ValueError naming the key."""
         unknown = sorted(set(value) - {"pooling_type", "normalize", "use_activation"})
         if unknown:
             raise ValueError(f"pooler_config: {', '.join(unknown)} not supported (pdserve "
@@ -55,29 +66,6 @@ class PoolerConfig:
             raise ValueError(f"pooler_config: normalize must be true or false, got "
                              f"{normalize!r}")
         return cls(pooling_type, normalize)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_flags(cls, pooler_config: str | dict | None,
-                   override_pooler_config: str | dict | None) -> PoolerConfig:
-        """--pooler-config, with --override-pooler-config's keys over it (vLLM's older
-        spelling). Raises ValueError naming the key."""
-        merged: dict = {}
-        for value in (pooler_config, override_pooler_config):
-            if value:
-                parsed = cls._json(value)
-                if not isinstance(parsed, dict):
-                    raise ValueError("pooler_config must be a JSON object")
-                merged.update(parsed)
-        return cls.from_value(merged)
-
-    @staticmethod
-    def _json(value: str | dict):
-        if not isinstance(value, str):
-            return value
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"pooler_config: not JSON ({e})") from None
 
 
 def resolve_runner(runner: str, convert: str) -> str:

@@ -95,11 +95,7 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
-        ):
-            raise ValueError(f"stop_token_ids must be a list of non-negative ints, got "
-                             f"{self.stop_token_ids!r}")
+        _check_token_id_list("stop_token_ids", self.stop_token_ids)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
         if self.prompt_logprobs is not None:

@@ -379,12 +379,9 @@ class EngineCore:
 
 def num_prompt_tokens_of(scheduler_output, request_ids: Container[str]) -> int:
     """Prompt tokens (positions < num_prompt_tokens) the step computed for `request_ids`."""
-    total = 0
-    for s in scheduler_output.scheduled:
-        if s.request.request_id in request_ids:
-            end = min(s.start_pos + s.num_scheduled_tokens, s.request.num_prompt_tokens)
-            total += max(0, end - s.start_pos)
-    return total
+    return sum(max(0, min(s.start_pos + s.num_scheduled_tokens, s.request.num_prompt_tokens)
+                   - s.start_pos)
+               for s in scheduler_output.scheduled if s.request.request_id in request_ids)
 
 
 

@@ -62,8 +62,7 @@ class KVTransferTracker:
         num_computed = max(params.num_tokens, num_hit_tokens)
         # NOTE: with a window on every layer only the window's blocks are allocated (and
         # fetched): those before it lead the request's list as the null block.
-        num_window_start = (max(0, num_computed - kv.sliding_window + 1) // kv.block_size
-                            if kv.sliding_window is not None else 0)
+        num_window_start = kv.num_blocks_before_window(num_computed)
         if num_window_start > len(hits):
             hits, num_hit_tokens = [], 0
         else:

@@ -69,19 +69,13 @@ class Tracer:
     def complete(self, name: str, track: str, start_us: int, end_us: int,
                  args: dict[str, Any] | None = None) -> None:
         """A span `[start_us, end_us)` on `track` ("X" event)."""
-        event = {"name": name, "ph": "X", "ts": start_us, "dur": max(0, end_us - start_us),
-                 "pid": self.pid, "tid": self._tid(track)}
-        if args:
-            event["args"] = args
-        self._emit(event)
+        self._emit({"name": name, "ph": "X", "ts": start_us, "dur": max(0, end_us - start_us),
+                    "pid": self.pid, "tid": self._tid(track)}, args)
 
     def instant(self, name: str, track: str, args: dict[str, Any] | None = None) -> None:
         """A point in time on `track` ("i" event), now."""
-        event = {"name": name, "ph": "i", "s": "t", "ts": now_us(), "pid": self.pid,
-                 "tid": self._tid(track)}
-        if args:
-            event["args"] = args
-        self._emit(event)
+        self._emit({"name": name, "ph": "i", "s": "t", "ts": now_us(), "pid": self.pid,
+                    "tid": self._tid(track)}, args)
 
     def flush(self) -> None:
         """Append what is buffered (one write; safe to call from any thread)."""
@@ -109,7 +103,9 @@ class Tracer:
     def _meta(self, name: str, tid: int, args: dict[str, Any]) -> None:
         self._emit({"name": name, "ph": "M", "pid": self.pid, "tid": tid, "args": args})
 
-    def _emit(self, event: dict[str, Any]) -> None:
+    def _emit(self, event: dict[str, Any], args: dict[str, Any] | None = None) -> None:
+        if args:
+            event["args"] = args
         line = json.dumps(event, separators=(",", ":")) + ",\n"
         with self._lock:
             if self._fd < 0:

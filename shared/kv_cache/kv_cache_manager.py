@@ -78,7 +78,6 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.model_name = model_name
         self.quantization = quantization
         """The weights' quantization ("none" | "int8"): an extra key of first-block hashes."""
         self.block_hasher: BlockHasher = request_block_hasher(block_size, model_name,
@@ -200,8 +199,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        first_needed = max(0, num_computed_tokens - self.sliding_window + 1)
-        num_skip = min(first_needed // self.block_size, len(blocks))
+        num_skip = min(self.num_blocks_before_window(num_computed_tokens), len(blocks))
         null = self.block_pool.null_block
         freed = []
         # NOTE: vLLM's walk back from the window: the blocks before the last null are null.
@@ -212,29 +210,21 @@ class KVCacheManager:
             blocks[i] = null
         self.block_pool.free_blocks(freed)
 
-    def skip_blocks_before_window(self, request: Request, num_tokens: int) -> int:
+    def num_blocks_before_window(self, num_tokens: int) -> int:
+        """The leading blocks that no layer's window reaches from position `num_tokens` (the
+        query sees keys from num_tokens - W + 1 on); 0 without a sliding window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size
+
+    def skip_blocks_before_window(self, request: Request, num_tokens: int) -> None:
         """For a request holding no blocks whose first `num_tokens` tokens' KV arrives at
         once (a KV transfer): hold the null block for the leading blocks no window reaches
         from position `num_tokens`, so that only the window's blocks are allocated and
-        received. Returns the number of null blocks the request now leads with (0 without
-        a sliding window, or when it already holds blocks)."""
-        request_id = request.request_id
-        if self.sliding_window is None:
-            return 0
-        if request_id in self.req_to_blocks:
-            return self._num_null_blocks(self.req_to_blocks[request_id])
-        num_skip = max(0, num_tokens - self.sliding_window + 1) // self.block_size
-        if num_skip:
-            self.req_to_blocks[request_id] = [self.block_pool.null_block] * num_skip
-        return num_skip
-
-    def _num_null_blocks(self, blocks: list[KVCacheBlock]) -> int:
-        """The leading null blocks of a request's list (out of the window)."""
-        null = self.block_pool.null_block
-        n = 0
-        while n < len(blocks) and blocks[n] is null:
-            n += 1
-        return n
+        received. A no-op for a request that holds blocks."""
+        num_skip = self.num_blocks_before_window(num_tokens)
+        if num_skip and request.request_id not in self.req_to_blocks:
+            self.req_to_blocks[request.request_id] = [self.block_pool.null_block] * num_skip
 
     def trim_blocks(self, request: Request, num_tokens: int) -> None:
         """Free `request`'s blocks past the first cdiv(num_tokens, block_size), last block
@@ -302,7 +292,8 @@ class KVCacheManager:
         for request_id, blocks in self.req_to_blocks.items():
             num_cached = self.num_cached_block.get(request_id, 0)
             assert num_cached <= len(blocks), f"{request_id}: more blocks cached than held"
-            num_null = self._num_null_blocks(blocks) if self.sliding_window is not None else 0
+            num_null = next((i for i, b in enumerate(blocks) if b is not null), len(blocks)) \
+                if self.sliding_window is not None else 0  # leading: out of the window
             for i, block in enumerate(blocks[num_null:], num_null):
                 assert block is not null, f"{request_id} holds block 0 at index {i}"
                 holders[block.block_id] += 1

@@ -52,7 +52,8 @@ class LinearWithLoRA(nn.Module):
         device = _device_of(base_layer)
         # NOTE: fp32 adapters on the CPU, whatever the base (int8 included); on CUDA the
         # activations' dtype.
-        dtype = torch.float32 if device.type == "cpu" else _dtype_of(base_layer)
+        dtype = torch.float32 if device.type == "cpu" else next(
+            (p.dtype for p in base_layer.parameters()), torch.float32)
         self.lora_a = torch.zeros(max_loras, rank, shape.in_features, device=device,
                                   dtype=dtype)
         """[max_loras, R_max, in]: each slot's stacked A, zero-padded."""
@@ -124,7 +125,3 @@ def _device_of(layer: nn.Module) -> torch.device:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")
-
-
-def _dtype_of(layer: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in layer.parameters()), torch.float32)

@@ -21,7 +21,6 @@ Source: Gemma Team 2024 (Gemma 2), 2025 (Gemma 3).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +29,8 @@ from torch import nn
 
 from pdserve.shared.models import gemma_config
 from pdserve.shared.models.architectures import check_hf_config
-from pdserve.shared.models.layers import Linear, RMSNorm
-from pdserve.shared.models.llama import LlamaForCausalLM
+from pdserve.shared.models.layers import RMSNorm
+from pdserve.shared.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from pdserve.shared.models.rotary import RotaryEmbedding, RotaryInputs
 
 
@@ -66,6 +65,11 @@ class GemmaArgs:
     """The local layers' rope parameters (`rope_theta`, `rope_type`, scaling fields)."""
     rope_global: dict
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """As LlamaArgs' (Gemma biases o_proj with q/k/v)."""
+        return self.attention_bias
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> GemmaArgs:
         """Raises ValueError for a part this file does not implement (`check_hf_config`)."""
@@ -97,24 +101,13 @@ class GemmaArgs:
         )
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(LlamaAttention):
+    """LlamaAttention's modules (o_proj biased as q/k/v), Gemma's scale and score soft cap."""
+
     def __init__(self, args: GemmaArgs, sliding_window: int | None) -> None:
-        super().__init__()
-        self.num_heads = args.num_heads
-        self.num_kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
+        super().__init__(args, sliding_window)  # type: ignore[arg-type]
         self.scale = args.query_pre_attn_scalar ** -0.5
-        self.sliding_window = sliding_window
-        """This layer's window in tokens (None: a global layer)."""
         self.logits_soft_cap = args.attn_logit_softcapping
-        # NOTE: q, k and v share one matmul, as in llama.py (the loader stacks the rows).
-        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=args.attention_bias)
-        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.attention_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryEmbedding, rotary_inputs: RotaryInputs,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn) -> torch.Tensor:
@@ -132,13 +125,8 @@ class GemmaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, args: GemmaArgs) -> None:
-        super().__init__()
-        self.intermediate_size = args.intermediate_size
-        # NOTE: gate and up share one matmul; the loader stacks gate_proj then up_proj.
-        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
+class GemmaMLP(LlamaMLP):
+    """LlamaMLP's modules; GeGLU, always the torch ops (`use_fused_cpu_ops` is not read)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -213,13 +201,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 self.rotary_local = RotaryEmbedding(
                     args.head_dim, args.max_position_embeddings, args.rope_local["rope_theta"],
                     args.rope_local)
-        self.lm_head_weight = None if args.tie_word_embeddings else nn.Parameter(
-            torch.empty(args.vocab_size, args.hidden_size))
-        self.lm_head_packed = None
-        self.lm_head_gemv = None
-        self.lm_head_int8 = None
-        self.quantization = "none"
-        self.weight_bytes_saved = 0
+        self._init_lm_head(args)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -261,39 +243,3 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap is None:
             return logits
         return torch.tanh(logits / cap) * cap
-
-
-def _plus_one(weight: torch.Tensor) -> torch.Tensor:
-    """A Gemma norm weight w as the factor (1 + w) in fp32, as transformers computes it."""
-    return 1.0 + weight.float()
-
-
-def gemma_state_dict(args: GemmaArgs, take: Callable[[str], torch.Tensor]
-                     ) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights under GemmaForCausalLM's names: q/k/v and gate/up stacked,
-    every norm weight as (1 + w). `take(name)` pops a checkpoint weight (ValueError if
-    missing)."""
-    state = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-             "norm.weight": _plus_one(take("model.norm.weight"))}
-    if not args.tie_word_embeddings:
-        state["lm_head_weight"] = take("lm_head.weight")
-    norms = ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-             "post_feedforward_layernorm"]
-    if args.qk_norm:
-        norms += ["self_attn.q_norm", "self_attn.k_norm"]
-    for i in range(args.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        att = p + "self_attn."
-        state[q + "self_attn.qkv_proj.weight"] = torch.cat(
-            [take(att + f"{n}_proj.weight") for n in "qkv"], dim=0)
-        state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
-        if args.attention_bias:
-            state[q + "self_attn.qkv_proj.bias"] = torch.cat(
-                [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
-            state[q + "self_attn.o_proj.bias"] = take(att + "o_proj.bias")
-        state[q + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], dim=0)
-        state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        for norm in norms:
-            state[q + norm + ".weight"] = _plus_one(take(p + norm + ".weight"))
-    return state

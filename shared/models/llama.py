@@ -198,10 +198,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings,
                                       args.rope_theta, args.rope_scaling)
-        if args.tie_word_embeddings:
-            self.lm_head_weight = None
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(args.vocab_size, args.hidden_size))
+        self._init_lm_head(args)
+
+    def _init_lm_head(self, args: LlamaArgs) -> None:
+        """The LM head (None: tied to the embeddings) and its packed / int8 forms, unset."""
+        self.lm_head_weight = None if args.tie_word_embeddings else nn.Parameter(
+            torch.empty(args.vocab_size, args.hidden_size))
         self.lm_head_packed: torch.Tensor | None = None
         """The LM head weight prepacked for oneDNN (`set_packed_linear`); None: F.linear."""
         self.lm_head_gemv: cpu_gemv.GemvWeight | None = None

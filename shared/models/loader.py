@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from pdserve.kernels import cpu_fused, cpu_linear
-from pdserve.shared.models.gemma import GemmaArgs, GemmaForCausalLM, gemma_state_dict
+from pdserve.shared.models.gemma import GemmaArgs, GemmaForCausalLM
 from pdserve.shared.models.gemma_config import is_gemma
 from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
 
@@ -47,17 +48,11 @@ def checkpoint_files(model_path: Path) -> list[Path]:
 
 
 def _read_checkpoint(model_path: Path) -> dict[str, torch.Tensor]:
-    files = checkpoint_files(model_path)
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in checkpoint_files(model_path):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+            tensors.update((name, f.get_tensor(name)) for name in f.keys())
     return tensors
-
-
-def args_arch(model_path: Path) -> str:
-    return (read_hf_config(model_path).get("architectures") or ["Llama"])[0]
 
 
 def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cpu",
@@ -86,57 +81,18 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
             raise ValueError(f"checkpoint {model_path} lacks weight {name!r}")
         return ckpt.pop(name)
 
-    if is_gemma(cfg):
-        gemma_args = GemmaArgs.from_hf_config(cfg)
-        with torch.device("meta"):
-            gemma = GemmaForCausalLM(gemma_args)
-        return _finish_loading(gemma, gemma_state_dict(gemma_args, take), ckpt, model_path,
-                               dtype, device, quantization)
-    args = LlamaArgs.from_hf_config(cfg)
+    args = GemmaArgs.from_hf_config(cfg) if is_gemma(cfg) else LlamaArgs.from_hf_config(cfg)
     with torch.device("meta"):
-        model = LlamaForCausalLM(args)
-    state: dict[str, torch.Tensor] = {}
-    state["embed_tokens.weight"] = take("model.embed_tokens.weight")
-    state["norm.weight"] = take("model.norm.weight")
-    if not args.tie_word_embeddings:
-        state["lm_head_weight"] = take("lm_head.weight")
-    for i in range(args.num_hidden_layers):
-        p, q = f"model.layers.{i}.", f"layers.{i}."
-        att = p + "self_attn."
-        state[q + "self_attn.qkv_proj.weight"] = (
-            take(att + "qkv_proj.weight") if args.fused_checkpoint else
-            torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"], dim=0))
-        if args.attention_bias:
-            state[q + "self_attn.qkv_proj.bias"] = torch.cat(
-                [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
-        state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
-        if args.o_proj_bias:
-            state[q + "self_attn.o_proj.bias"] = take(att + "o_proj.bias")
-        if args.qk_norm:
-            state[q + "self_attn.q_norm.weight"] = take(att + "q_norm.weight")
-            state[q + "self_attn.k_norm.weight"] = take(att + "k_norm.weight")
-        state[q + "mlp.gate_up_proj.weight"] = (
-            take(p + "mlp.gate_up_proj.weight") if args.fused_checkpoint else
-            torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")],
-                      dim=0))
-        state[q + "mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
-        state[q + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        state[q + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-    return _finish_loading(model, state, ckpt, model_path, dtype, device, quantization)
-
-
-def _finish_loading(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
-                    ckpt: dict[str, torch.Tensor], model_path: Path, dtype: str, device: str,
-                    quantization: str) -> LlamaForCausalLM:
-    """Refuse checkpoint weights left unused, then fill the meta-built `model` from `state`
-    on `device` in `dtype` and choose its CPU fast paths (or int8)."""
+        model = (GemmaForCausalLM if isinstance(args, GemmaArgs) else LlamaForCausalLM)(args)
+    state = _state_dict(args, take)
     ckpt.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
     leftover = [k for k in ckpt if "rotary_emb" not in k]
     if leftover:
         # NOTE: a weight this model has no place for is a part of the architecture it does
         # not implement (a bias, a norm): serving without it would give wrong tokens.
-        raise ValueError(f"checkpoint {model_path} has {len(leftover)} weights this "
-                         f"{args_arch(model_path)} model does not use, e.g. {leftover[:3]}")
+        arch = (cfg.get("architectures") or ["Llama"])[0]
+        raise ValueError(f"checkpoint {model_path} has {len(leftover)} weights this {arch} "
+                         f"model does not use, e.g. {leftover[:3]}")
     torch_dtype = _DTYPES[dtype]
     state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
@@ -150,3 +106,47 @@ def _finish_loading(model: LlamaForCausalLM, state: dict[str, torch.Tensor],
     else:
         model.set_packed_linear(cpu_linear.is_enabled())
     return model.eval()
+
+
+def _plus_one(weight: torch.Tensor) -> torch.Tensor:
+    """A Gemma norm weight w as the factor (1 + w) in fp32, as transformers computes it."""
+    return 1.0 + weight.float()
+
+
+def _state_dict(args: LlamaArgs | GemmaArgs, take: Callable[[str], torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights under the model's names: q/k/v and gate/up stacked (one
+    matmul each; a Phi-3 checkpoint stores them so), biases and norms as the config says, a
+    Gemma's norm weights as (1 + w). `take(name)` pops a checkpoint weight (ValueError if
+    missing)."""
+    gemma = isinstance(args, GemmaArgs)
+    norm = _plus_one if gemma else (lambda weight: weight)
+    fused = not gemma and args.fused_checkpoint
+    state = {"embed_tokens.weight": take("model.embed_tokens.weight"),
+             "norm.weight": norm(take("model.norm.weight"))}
+    if not args.tie_word_embeddings:
+        state["lm_head_weight"] = take("lm_head.weight")
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if gemma:
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if args.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
+    for i in range(args.num_hidden_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        att, mlp = p + "self_attn.", p + "mlp."
+        state[q + "self_attn.qkv_proj.weight"] = (
+            take(att + "qkv_proj.weight") if fused else
+            torch.cat([take(att + f"{n}_proj.weight") for n in "qkv"], dim=0))
+        if args.attention_bias:
+            state[q + "self_attn.qkv_proj.bias"] = torch.cat(
+                [take(att + f"{n}_proj.bias") for n in "qkv"], dim=0)
+        state[q + "self_attn.o_proj.weight"] = take(att + "o_proj.weight")
+        if args.o_proj_bias:
+            state[q + "self_attn.o_proj.bias"] = take(att + "o_proj.bias")
+        state[q + "mlp.gate_up_proj.weight"] = (
+            take(mlp + "gate_up_proj.weight") if fused else
+            torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], dim=0))
+        state[q + "mlp.down_proj.weight"] = take(mlp + "down_proj.weight")
+        for name in norms:
+            state[q + name + ".weight"] = norm(take(p + name + ".weight"))
+    return state

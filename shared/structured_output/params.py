@@ -47,11 +47,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which constraint is set: one of json, json_object, regex, choice, grammar,
         structural_tag."""
-        for kind in _KINDS:
-            value = getattr(self, kind)
-            if value is not None and value is not False:
-                return kind
-        raise AssertionError("unreachable: _verify requires one constraint")
+        return next(k for k in _KINDS if getattr(self, k) not in (None, False))  # `_verify`: one
 
     @property
     def spec(self) -> str:
