@@ -34,8 +34,6 @@ tokens: RSS 2,215 MiB = 1,134 weights + 256 KV + 825 the rest; rounded up."""
 GATEWAY_BYTES = 512 * 2**20
 """Resident bytes of the gateway process (tokenizer, templates, HTTP), a round allowance."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
-                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclass(frozen=True)
