@@ -108,8 +108,6 @@ class StallWatchdog:
         while True:
             try:
                 await self.check()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # never let the watchdog take the service down
                 logger.exception("stall watchdog check failed")
             await asyncio.sleep(self.interval)

@@ -273,8 +273,6 @@ class StateFeed:
             try:
                 self._publish(await self._tick(full))
                 full = False
-            except asyncio.CancelledError:
-                raise
             except Exception:  # never let the feed take the service down
                 logger.exception("state feed tick failed; resyncing")
                 full = True
