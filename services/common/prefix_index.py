@@ -229,37 +229,30 @@ class PrefixIndex:
         added, removed = list(added), list(removed)
         if not added and not removed:
             return True
-
-        async def op() -> bool:
-            key = self.held_key(instance_id)
-            async with self._redis.pipeline(transaction=True) as pipe:
-                for i in range(0, len(removed), _BATCH):
-                    pipe.srem(key, *removed[i:i + _BATCH])
-                for i in range(0, len(added), _BATCH):
-                    pipe.sadd(key, *added[i:i + _BATCH])
-                pipe.pexpire(key, int(self.ttl * 1000))
-                pipe.set(self.generation_key(instance_id), self._next_generation(),
-                         px=int(self.ttl * 1000))
-                await pipe.execute()
-            return True
-        return bool(await self._call("publish", op, False))
+        return await self._write_held("publish", instance_id, added, removed)
 
     async def republish(self, instance_id: str, block_hashes: Iterable[bytes]) -> bool:
         """Replace everything published for `instance_id` with `block_hashes` (atomically)."""
-        hashes = list(block_hashes)
+        return await self._write_held("republish", instance_id, list(block_hashes), None)
 
+    async def _write_held(self, what: str, instance_id: str, added: list[bytes],
+                          removed: list[bytes] | None) -> bool:
+        """One transaction: drop `removed` (None: the whole set) from the held set, add
+        `added`, refresh its TTL and give it a new generation."""
         async def op() -> bool:
-            key = self.held_key(instance_id)
+            key, ttl_ms = self.held_key(instance_id), int(self.ttl * 1000)
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                for i in range(0, len(hashes), _BATCH):
-                    pipe.sadd(key, *hashes[i:i + _BATCH])
-                pipe.pexpire(key, int(self.ttl * 1000))
-                pipe.set(self.generation_key(instance_id), self._next_generation(),
-                         px=int(self.ttl * 1000))
+                if removed is None:
+                    pipe.delete(key)
+                for i in range(0, len(removed or []), _BATCH):
+                    pipe.srem(key, *(removed or [])[i:i + _BATCH])
+                for i in range(0, len(added), _BATCH):
+                    pipe.sadd(key, *added[i:i + _BATCH])
+                pipe.pexpire(key, ttl_ms)
+                pipe.set(self.generation_key(instance_id), self._next_generation(), px=ttl_ms)
                 await pipe.execute()
             return True
-        return bool(await self._call("republish", op, False))
+        return bool(await self._call(what, op, False))
 
     async def unregister(self, instance_id: str) -> bool:
         async def op() -> bool:
