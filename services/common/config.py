@@ -173,7 +173,8 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
         raise ValueError("--registration-ttl must exceed --heartbeat-interval")
     if config.stall_timeout < 0:
         raise ValueError("--stall-timeout must be >= 0")
-    if config.internal_token is not None and not _is_printable_ascii(config.internal_token):
+    t = config.internal_token
+    if t is not None and not (t.isascii() and t.isprintable() and t.strip() == t):
         raise ValueError("--internal-token must be printable ASCII (it travels as gRPC "
                          "metadata)")
     if not (config.internal_token or config.allow_insecure_internal
@@ -186,7 +187,3 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
     if not 1 << 16 <= config.kv_chunk_bytes <= config.max_message_bytes - (64 << 10):
         raise ValueError("--kv-chunk-bytes must be in [64KiB, --max-message-bytes - 64KiB]")
     return config
-
-
-def _is_printable_ascii(text: str) -> bool:
-    return text.isascii() and text.isprintable() and text.strip() == text
