@@ -134,7 +134,6 @@ class EngineWorker:
         self.quantization = core.model_config.quantization
         self.max_model_len = core.model_config.max_model_len
         self.block_size = core.kv_cache_manager.block_size
-        self.num_gpu_blocks = core.num_gpu_blocks
         self.layout = KVLayout.of(core.model_runner.kv_caches)
         self._tasks: set[asyncio.Task] = set()
         self.lora = LoRATable(self.model_name)

@@ -57,7 +57,6 @@ class Launcher:
         self.plan = plan
         self.config = config
         self.sink = sink
-        self.backoff = backoff
         env = child_env(os.environ)
         self.children = [(spec, ChildProcess(spec.name, spec.argv, {**env, **spec.env}, sink))
                          for spec in plan.children]
