@@ -53,6 +53,7 @@ def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
     """(parameters, embedding parameters) of a safetensors checkpoint, read from the files'
     headers only. Raises OSError / ValueError for a missing or unreadable file."""
     import json
+    import math
     import struct
 
     total = embedding = 0
@@ -63,9 +64,7 @@ def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            numel = 1
-            for dim in info["shape"]:
-                numel *= dim
+            numel = math.prod(info["shape"])
             total += numel
             if name.endswith("embed_tokens.weight"):
                 embedding = numel
@@ -103,7 +102,7 @@ def plan_memory(plan: Plan) -> list[ChildMemory]:
                 weights_of[key] = engine_weight_bytes(*key)
             kv = parse_size(_flag(argv, "--kv-cache-memory", "2GiB")) if device == "cpu" else 0
             out.append(ChildMemory(child.name, weights_of[key], kv, ENGINE_OVERHEAD_BYTES))
-        elif child.name == "gateway" or child.name.startswith("gateway"):
+        elif child.name.startswith("gateway"):
             out.append(ChildMemory(child.name, 0, 0, GATEWAY_BYTES))
     return out
 
