@@ -69,7 +69,7 @@ def reachable_host(redis_url: str | None = None) -> str:
     candidates = [_route_source(target) if target else None, _hostname_address(),
                   *(_route_source(probe) for probe in _DEFAULT_ROUTE_PROBES)]
     for address in candidates:
-        if address and not _is_loopback(address):
+        if address and not is_loopback(address):
             return address
     return socket.gethostname()
 
@@ -109,8 +109,10 @@ def _hostname_address() -> str | None:
         return None
 
 
-def _is_loopback(address: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 (bracketed or with a zone too) or localhost: only this machine."""
+    host = host.strip("[]").split("%")[0]
     try:
-        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return address == "localhost"
+        return host == "localhost"

@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.services.common.advertise import advertise_address, is_loopback
 from pdserve.shared.config import DEFAULT_MAX_CHUNK_BYTES, MAX_GRPC_MESSAGE_BYTES
 from pdserve.shared.lora.request import LoRARequest
 
@@ -88,8 +89,6 @@ class ServiceConfig:
 
     def resolve_address(self, bound_port: int) -> str:
         """host:port others reach this instance at (services/common/advertise.py)."""
-        from pdserve.services.common.advertise import advertise_address
-
         return advertise_address(self.advertise_address, self.host, bound_port, self.redis_url)
 
     def resolve_instance_id(self, bound_port: int) -> str:
@@ -174,11 +173,12 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
         raise ValueError("--registration-ttl must exceed --heartbeat-interval")
     if config.stall_timeout < 0:
         raise ValueError("--stall-timeout must be >= 0")
-    if config.internal_token is not None and not _is_printable_ascii(config.internal_token):
+    t = config.internal_token
+    if t is not None and not (t.isascii() and t.isprintable() and t.strip() == t):
         raise ValueError("--internal-token must be printable ASCII (it travels as gRPC "
                          "metadata)")
     if not (config.internal_token or config.allow_insecure_internal
-            or is_loopback_host(config.host)):
+            or is_loopback(config.host)):
         raise ValueError(f"--host {config.host} is reachable from other machines and no "
                          "--internal-token (PDSERVE_INTERNAL_TOKEN) is set: give one, bind "
                          "127.0.0.1, or pass --allow-insecure-internal")
@@ -187,20 +187,3 @@ def config_from_args(ns: argparse.Namespace, role: Role) -> ServiceConfig:
     if not 1 << 16 <= config.kv_chunk_bytes <= config.max_message_bytes - (64 << 10):
         raise ValueError("--kv-chunk-bytes must be in [64KiB, --max-message-bytes - 64KiB]")
     return config
-
-
-def is_loopback_host(host: str) -> bool:
-    """127.0.0.0/8, ::1 or localhost (a bind address only this machine reaches)."""
-    import ipaddress
-
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _is_printable_ascii(text: str) -> bool:
-    return text.isascii() and text.isprintable() and text.strip() == text

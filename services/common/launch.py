@@ -40,13 +40,9 @@ def build_runtime(config: ServiceConfig, engine_args: EngineArgs | None = None,
         assert engine_args is not None, "engine_args or load_engine"
         load_engine = engine_loader(engine_args, config.role)
     if config.role == "prefill":
-        from pdserve.services.prefill.servicer import add_prefill_servicer
-        from pdserve.services.prefill.worker import PrefillWorker
-
-        return ServiceRuntime(config, load_engine, PrefillWorker, add_prefill_servicer,
-                              SERVICE_NAMES["prefill"])
-    from pdserve.services.decode.servicer import add_decode_servicer
-    from pdserve.services.decode.worker import DecodeWorker
-
-    return ServiceRuntime(config, load_engine, DecodeWorker, add_decode_servicer,
-                          SERVICE_NAMES["decode"])
+        from pdserve.services.prefill.servicer import add_prefill_servicer as add_servicer
+        from pdserve.services.prefill.worker import PrefillWorker as Worker
+    else:
+        from pdserve.services.decode.servicer import add_decode_servicer as add_servicer
+        from pdserve.services.decode.worker import DecodeWorker as Worker
+    return ServiceRuntime(config, load_engine, Worker, add_servicer, SERVICE_NAMES[config.role])

@@ -31,9 +31,6 @@ class LoRATable:
         self.model_name = model_name
         self.adapters: dict[str, LoRARequest] = {}
 
-    def __len__(self) -> int:
-        return len(self.adapters)
-
     def listed(self) -> list[LoRARequest]:
         return sorted(self.adapters.values(), key=lambda a: a.lora_name)
 

@@ -78,12 +78,10 @@ class ServiceMetrics:
             "prompt_tokens_after_abort", "Prompt tokens computed by steps that ended after "
             "their request's abort had arrived (work for nobody: at most the chunk of the step "
             "in flight when the abort came).")
-        self._after_abort_seen = 0
         self._ttft_unreachable = counter(
             "slo_ttft_unreachable", "New prompts predicted at arrival to miss the TTFT target "
             "(--slo-ttft-ms), by what happened to them: served anyway, or rejected "
             "(--slo-early-reject).", ("action",))
-        self._ttft_unreachable_seen = {"served": 0, "rejected": 0}
         self._request_success = counter("request_success", "Finished requests by reason.",
                                         ("finished_reason",))
         self._ttft = histogram("time_to_first_token_seconds",
@@ -116,7 +114,8 @@ class ServiceMetrics:
             "(as loaded), packed_weights (oneDNN / GEMV copies), int8_weights, kv_cache (the "
             "KV pool), draft_weights; on the engine's device.", ("kind",))
         self._model = model_name
-        self._last: EngineStats | None = None
+        self._seen: dict[tuple, float] = {}
+        """(counter, label values) -> the engine's cumulative total it was raised to."""
         # Every series without extra labels exists from the start, at 0 (a dashboard's
         # rate() then has a baseline; a family seen only after its first event reads "no
         # data" until then). pdserve_redis_up stays absent without --redis-url.
@@ -131,6 +130,14 @@ class ServiceMetrics:
     def _l(self, metric, **extra):
         return metric.labels(model_name=self._model, **extra)
 
+    def _inc_to(self, metric: Counter, total: float, **extra: str) -> None:
+        """Raise `metric` to an engine's cumulative `total` (counted since start-up)."""
+        key = (metric, *extra.values())
+        seen = self._seen.get(key, 0)
+        if total > seen:
+            self._l(metric, **extra).inc(total - seen)
+            self._seen[key] = total
+
     def set_memory(self, memory: dict[str, int]) -> None:
         """The engine's `memory_bytes()`, once at start-up."""
         for kind, n in memory.items():
@@ -144,29 +151,19 @@ class ServiceMetrics:
         for state, value in (("free", s.num_free_blocks), ("cached", s.num_cached_blocks),
                              ("used", s.num_used_blocks), ("pinned", num_pinned_blocks)):
             self._l(self._kv_blocks, state=state).set(value)
-        last = self._last
-        for metric, value, before in (
-                (self._prefix_queries, s.prefix_cache_queries, last and last.prefix_cache_queries),
-                (self._prefix_hits, s.prefix_cache_hits, last and last.prefix_cache_hits),
-                (self._preemptions, s.num_preemptions, last and last.num_preemptions)):
-            if value > (before or 0):
-                self._l(metric).inc(value - (before or 0))
-        self._last = s
+        self._inc_to(self._prefix_queries, s.prefix_cache_queries)
+        self._inc_to(self._prefix_hits, s.prefix_cache_hits)
+        self._inc_to(self._preemptions, s.num_preemptions)
 
     def prompt_tokens_after_abort(self, total: int) -> None:
         """The engine's cumulative count (EngineCore.num_prompt_tokens_after_abort)."""
-        if total > self._after_abort_seen:
-            self._l(self._after_abort).inc(total - self._after_abort_seen)
-            self._after_abort_seen = total
+        self._inc_to(self._after_abort, total)
 
     def slo_ttft_unreachable(self, total: int, rejected: int) -> None:
         """The engine's cumulative counts (EngineCore.num_ttft_unreachable, of which
         num_ttft_rejected were refused)."""
-        for action, value in (("served", total - rejected), ("rejected", rejected)):
-            seen = self._ttft_unreachable_seen[action]
-            if value > seen:
-                self._l(self._ttft_unreachable, action=action).inc(value - seen)
-                self._ttft_unreachable_seen[action] = value
+        self._inc_to(self._ttft_unreachable, total - rejected, action="served")
+        self._inc_to(self._ttft_unreachable, rejected, action="rejected")
 
     def lora_info(self, running: Iterable[str], waiting: Iterable[str], max_loras: int) -> None:
         """One series (the previous one dropped), as vLLM's gauge: the adapters' names."""

@@ -82,8 +82,11 @@ class InstanceMonitor:
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._run()), loop.create_task(self._beat()),
-                       loop.create_task(self._write_forever())]
+        self._tasks = [
+            loop.create_task(self._every(self.config.publish_interval, self.tick, "tick")),
+            loop.create_task(self._every(self.config.heartbeat_interval, self.heartbeat,
+                                         "heartbeat")),
+            loop.create_task(self._write_forever())]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -112,18 +115,10 @@ class InstanceMonitor:
             metrics_address=self.metrics_address,
             lora_adapters=tuple(dataclasses.asdict(a) for a in w.lora.listed()))
 
-    async def _run(self) -> None:
-        await self._every(self.config.publish_interval, self.tick, "tick")
-
-    async def _beat(self) -> None:
-        await self._every(self.config.heartbeat_interval, self.heartbeat, "heartbeat")
-
     async def _every(self, interval: float, fn, what: str) -> None:
         while True:
             try:
                 await fn()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # never let monitoring take the service down
                 logger.exception("instance monitor %s failed", what)
             await asyncio.sleep(interval)
@@ -170,8 +165,6 @@ class InstanceMonitor:
             self._wake.clear()
             try:
                 await self.write()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # never let monitoring take the service down
                 logger.exception("instance monitor write failed")
 

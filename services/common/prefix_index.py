@@ -181,14 +181,9 @@ class PrefixIndex:
 
     # -- keys -------------------------------------------------------------------------------
 
-    def instance_key(self, instance_id: str) -> str:
-        return f"{self.key_prefix}:instance:{instance_id}"
-
-    def held_key(self, instance_id: str) -> str:
-        return f"{self.key_prefix}:held:{instance_id}"
-
-    def generation_key(self, instance_id: str) -> str:
-        return f"{self.key_prefix}:held_gen:{instance_id}"
+    def _key(self, kind: str, instance_id: str) -> str:
+        """`{p}:{kind}:{instance_id}`, kind instance, held or held_gen (the module's keys)."""
+        return f"{self.key_prefix}:{kind}:{instance_id}"
 
     def _next_generation(self) -> str:
         self._num_writes += 1
@@ -211,11 +206,11 @@ class PrefixIndex:
         async def op() -> bool:
             ttl_ms = int(self.ttl * 1000)
             async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(self.instance_key(info.instance_id), info.to_json(), px=ttl_ms,
+                pipe.set(self._key("instance", info.instance_id), info.to_json(), px=ttl_ms,
                          get=True)
                 pipe.sadd(self.instances_key, info.instance_id)
-                pipe.pexpire(self.held_key(info.instance_id), ttl_ms)
-                pipe.pexpire(self.generation_key(info.instance_id), ttl_ms)
+                pipe.pexpire(self._key("held", info.instance_id), ttl_ms)
+                pipe.pexpire(self._key("held_gen", info.instance_id), ttl_ms)
                 previous, *_ = await pipe.execute()
             return previous is None
         return await self._call("register", op, None)
@@ -229,43 +224,36 @@ class PrefixIndex:
         added, removed = list(added), list(removed)
         if not added and not removed:
             return True
-
-        async def op() -> bool:
-            key = self.held_key(instance_id)
-            async with self._redis.pipeline(transaction=True) as pipe:
-                for i in range(0, len(removed), _BATCH):
-                    pipe.srem(key, *removed[i:i + _BATCH])
-                for i in range(0, len(added), _BATCH):
-                    pipe.sadd(key, *added[i:i + _BATCH])
-                pipe.pexpire(key, int(self.ttl * 1000))
-                pipe.set(self.generation_key(instance_id), self._next_generation(),
-                         px=int(self.ttl * 1000))
-                await pipe.execute()
-            return True
-        return bool(await self._call("publish", op, False))
+        return await self._write_held("publish", instance_id, added, removed)
 
     async def republish(self, instance_id: str, block_hashes: Iterable[bytes]) -> bool:
         """Replace everything published for `instance_id` with `block_hashes` (atomically)."""
-        hashes = list(block_hashes)
+        return await self._write_held("republish", instance_id, list(block_hashes), None)
 
+    async def _write_held(self, what: str, instance_id: str, added: list[bytes],
+                          removed: list[bytes] | None) -> bool:
+        """One transaction: drop `removed` (None: the whole set) from the held set, add
+        `added`, refresh its TTL and give it a new generation."""
         async def op() -> bool:
-            key = self.held_key(instance_id)
+            key, ttl_ms = self._key("held", instance_id), int(self.ttl * 1000)
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                for i in range(0, len(hashes), _BATCH):
-                    pipe.sadd(key, *hashes[i:i + _BATCH])
-                pipe.pexpire(key, int(self.ttl * 1000))
-                pipe.set(self.generation_key(instance_id), self._next_generation(),
-                         px=int(self.ttl * 1000))
+                if removed is None:
+                    pipe.delete(key)
+                for i in range(0, len(removed or []), _BATCH):
+                    pipe.srem(key, *(removed or [])[i:i + _BATCH])
+                for i in range(0, len(added), _BATCH):
+                    pipe.sadd(key, *added[i:i + _BATCH])
+                pipe.pexpire(key, ttl_ms)
+                pipe.set(self._key("held_gen", instance_id), self._next_generation(), px=ttl_ms)
                 await pipe.execute()
             return True
-        return bool(await self._call("republish", op, False))
+        return bool(await self._call(what, op, False))
 
     async def unregister(self, instance_id: str) -> bool:
         async def op() -> bool:
             async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.instance_key(instance_id), self.held_key(instance_id),
-                            self.generation_key(instance_id))
+                pipe.delete(self._key("instance", instance_id), self._key("held", instance_id),
+                            self._key("held_gen", instance_id))
                 pipe.srem(self.instances_key, instance_id)
                 await pipe.execute()
             return True
@@ -318,7 +306,7 @@ class PrefixIndex:
     async def held_hashes(self, instance_id: str) -> set[bytes] | None:
         """Everything published for `instance_id` (audits and tests); None when down."""
         async def op() -> set[bytes]:
-            return set(await self._redis.smembers(self.held_key(instance_id)))
+            return set(await self._redis.smembers(self._key("held", instance_id)))
         return await self._call("held_hashes", op, None)
 
     async def close(self) -> None:

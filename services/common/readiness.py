@@ -20,12 +20,8 @@ Failing steps: a step that raises fails its requests over (shared/engine/async_e
 after FAILING_STEPS_NOT_SERVING steps in a row raised, health turns NOT_SERVING too (the
 gateway stops placing requests here), and back to SERVING after a step that does not raise.
 
-Test hooks (off by default):
-- `stall_file_hook(path)` (ServiceConfig.test_stall_file, env PDSERVE_TEST_STALL_FILE) makes
-  the engine thread sleep before each step that has requests to run while `path` exists:
-  the loop stalls without anything else changing.
-- `step_fault_hook(path)` (env PDSERVE_TEST_STEP_FAULT_FILE, read once at startup): while
-  `path` exists, every step raises RuntimeError before it runs the model.
+Test hooks, off by default: `stall_file_hook` (ServiceConfig.test_stall_file) stalls the
+loop and `step_fault_hook` (env PDSERVE_TEST_STEP_FAULT_FILE) fails its steps.
 """
 
 from __future__ import annotations
@@ -108,15 +104,14 @@ class StallWatchdog:
         while True:
             try:
                 await self.check()
-            except asyncio.CancelledError:
-                raise
             except Exception:  # never let the watchdog take the service down
                 logger.exception("stall watchdog check failed")
             await asyncio.sleep(self.interval)
 
 
 def step_fault_hook(path: str) -> Callable[[], None]:
-    """The test hook: while `path` exists, raise (engine thread, before each step)."""
+    """The test hook: while `path` exists, raise RuntimeError (engine thread, before each
+    step runs the model)."""
     def hook() -> None:
         if os.path.exists(path):
             raise RuntimeError(f"injected step fault ({STEP_FAULT_ENV}={path})")
@@ -124,7 +119,8 @@ def step_fault_hook(path: str) -> Callable[[], None]:
 
 
 def stall_file_hook(engine: AsyncEngine, path: str) -> Callable[[], None]:
-    """The test hook: while `path` exists and the engine has requests, sleep (engine thread)."""
+    """The test hook: while `path` exists and the engine has requests, sleep (engine thread,
+    before each step): the loop stalls without anything else changing."""
     def hook() -> None:
         # NOTE: stopped: a shutdown must not wait for the file to go away.
         while os.path.exists(path) and engine.engine_core.has_unfinished_requests() \

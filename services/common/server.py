@@ -40,7 +40,7 @@ from pdserve.services.common.readiness import (
     stall_file_hook,
     step_fault_hook,
 )
-from pdserve.services.common.spec_decode_metrics import register_spec_decode_metrics
+from pdserve.services.common.spec_decode_metrics import SpecDecodeCollector
 from pdserve.services.common.worker import EngineWorker, Identity
 from pdserve.shared.config import grpc_keepalive_server_options
 from pdserve.shared.engine.async_engine import AsyncEngine
@@ -87,11 +87,6 @@ class ServiceRuntime:
         self._stop_task: asyncio.Future | None = None
         self.startup_error: str | None = None
         """Why the start failed on a bad flag (a LoRA adapter): serve_forever exits 2."""
-
-    @property
-    def port(self) -> int:
-        assert self.identity is not None, "start() first"
-        return int(self.identity.address.rsplit(":", 1)[1])
 
     async def start(self) -> None:
         """Serve health (NOT_SERVING) at once; load the model in the background."""
@@ -142,8 +137,8 @@ class ServiceRuntime:
         metrics = ServiceMetrics(core.model_config.served_model_name, self.registry)
         metrics.set_memory(core.memory_bytes())
         if core.speculative_config is not None:
-            register_spec_decode_metrics(self.registry, core.scheduler.spec_decoding_stats,
-                                         core.model_config.served_model_name)
+            self.registry.register(SpecDecodeCollector(core.scheduler.spec_decoding_stats,
+                                                       core.model_config.served_model_name))
         self.worker = self._make_worker(engine, self.config, self.identity, metrics,
                                         eos_token_id)
         if not await self._load_lora_modules(self.worker):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -46,10 +45,3 @@ class SpecDecodeCollector(Collector):
         for position, value in enumerate(list(s.num_accepted_tokens_per_pos)):
             family.add_metric(labels + [str(position)], value)
         yield family
-
-
-def register_spec_decode_metrics(registry: CollectorRegistry, stats: SpecDecodingStats,
-                                 model_name: str) -> SpecDecodeCollector:
-    collector = SpecDecodeCollector(stats, model_name)
-    registry.register(collector)
-    return collector

@@ -32,6 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdserve.services.common.metrics import EngineStats
@@ -137,20 +138,15 @@ def feed_op(engine, full: bool, stats_op: Callable) -> FeedSample:
     """On the engine thread: the pool's map (full) or its changes since the last call, the
     requests' block tables and `stats_op(engine)`, all of one moment. `full` (re)starts the
     pool's change tracking."""
-    kv = engine.kv_cache_manager
-    pool = kv.block_pool
+    pool = engine.kv_cache_manager.block_pool
+    block_states: bytes | None = None
+    changed: list[int] = []
     if full:
         pool.track_changes(True)
-        states = bytearray(block_state(b) for b in pool.blocks)
-        states[0] = BLOCK_NULL
-        block_states: bytes | None = bytes(states)
-        changed: list[int] = []
-        changed_states = b""
+        block_states = bytes([BLOCK_NULL, *(block_state(b) for b in pool.blocks[1:])])
     else:
-        block_states = None
         changed = pool.take_changed_block_ids()
-        blocks = pool.blocks
-        changed_states = bytes(block_state(blocks[i]) for i in changed)
+    changed_states = bytes(block_state(pool.blocks[i]) for i in changed)
     scheduler = engine.scheduler
     views = scheduler.request_views()
     requests = [RequestView(v.request_id, _TRANSFER_STATUS.get(v.kv_transfer)
@@ -171,14 +167,12 @@ def unowned(views: Iterable, holders: Mapping[str, tuple[int, ...]]) -> list[tup
     return sorted((rid, ids) for rid, ids in holders.items() if rid not in owned)
 
 
+@dataclass(slots=True, eq=False)  # hashed by identity: a dict key
 class _Watcher:
-    __slots__ = ("frames", "event", "resync")
-
-    def __init__(self) -> None:
-        self.frames: deque[StateFrame] = deque()
-        self.event = asyncio.Event()
-        self.resync = True
-        """The next frame it gets is a snapshot of the current map."""
+    frames: deque[StateFrame] = field(default_factory=deque)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    resync: bool = True
+    """The next frame it gets is a snapshot of the current map."""
 
 
 class StateFeed:
@@ -273,8 +267,6 @@ class StateFeed:
             try:
                 self._publish(await self._tick(full))
                 full = False
-            except asyncio.CancelledError:
-                raise
             except Exception:  # never let the feed take the service down
                 logger.exception("state feed tick failed; resyncing")
                 full = True
@@ -292,29 +284,23 @@ class StateFeed:
         pinned = side.pinned_block_ids
         if full:
             assert sample.block_states is not None
-            self._pool_map = bytearray(sample.block_states)
-            self._map = bytearray(sample.block_states)
-            for i in pinned:
-                self._map[i] = (self._map[i] & ~STATE_MASK) | BLOCK_PINNED
-            changed, states = [], b""
+            pool_map, map_ = bytearray(sample.block_states), bytearray(sample.block_states)
+            self._pool_map, self._map = pool_map, map_
+            touched: Iterable[int] = pinned
         else:
             assert self._pool_map is not None and self._map is not None
             pool_map, map_ = self._pool_map, self._map
             for i, s in zip(sample.changed_block_ids, sample.changed_states):
                 pool_map[i] = s
             touched = set(sample.changed_block_ids) | (pinned ^ self._pinned)
-            changed = sorted(touched)
-            out = bytearray(len(changed))
-            for k, i in enumerate(changed):
-                s = pool_map[i]
-                if i in pinned:
-                    s = (s & ~STATE_MASK) | BLOCK_PINNED
-                map_[i] = out[k] = s
-            # Only what differs from the previous frame travels.
-            states = bytes(out)
+        for i in touched:
+            map_[i] = (pool_map[i] & ~STATE_MASK) | BLOCK_PINNED if i in pinned else pool_map[i]
+        # Only what differs from the previous frame travels (a snapshot: the whole map).
+        changed = [] if full else sorted(touched)
+        states = bytes(map_) if full else bytes(map_[i] for i in changed)
         self._pinned = pinned
         state = self._make_state(sample.stats, len(pinned))
-        return StateFrame(seq, full, bytes(self._map) if full else states, changed, state,
+        return StateFrame(seq, full, states, changed, state,
                           sample.requests, side.transfers, sample.stats, counters, time.time())
 
     def _publish(self, frame: StateFrame) -> None:

@@ -134,7 +134,6 @@ class EngineWorker:
         self.quantization = core.model_config.quantization
         self.max_model_len = core.model_config.max_model_len
         self.block_size = core.kv_cache_manager.block_size
-        self.num_gpu_blocks = core.num_gpu_blocks
         self.layout = KVLayout.of(core.model_runner.kv_caches)
         self._tasks: set[asyncio.Task] = set()
         self.lora = LoRATable(self.model_name)
@@ -144,7 +143,8 @@ class EngineWorker:
         self._lora_lock = asyncio.Lock()
         self.state_feed = StateFeed(
             lambda full: self.engine.call(lambda e: state_feed.feed_op(e, full, stats_op)),
-            self._feed_loop_side, self.make_state, self._feed_counters,
+            lambda: LoopSide(self.pinned_block_ids(), self.transfers()), self.make_state,
+            self._feed_counters,
             lambda: self.engine.call(lambda e: e.kv_cache_manager.block_pool.track_changes(
                 False)))
         """The dashboard's live view of this instance (WatchState)."""
@@ -276,9 +276,6 @@ class EngineWorker:
             invariants_error=error, max_model_len=self.max_model_len,
             block_size=self.block_size, quantization=self.quantization,
             num_paused=stats.num_paused)
-
-    def _feed_loop_side(self) -> LoopSide:
-        return LoopSide(self.pinned_block_ids(), self.transfers())
 
     def _feed_counters(self) -> Counters:
         m = self.metrics

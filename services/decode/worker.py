@@ -291,12 +291,9 @@ class DecodeWorker(EngineWorker):
         self.spawn(self.fetcher.release(stream.request.request_id, stream.handle.prefill_address))
 
     async def abort(self, request_ids: list[str]) -> list[str]:
-        aborted = set()
-        for request_id in request_ids:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.aborted = True
-                aborted.add(request_id)
+        aborted = {r for r in request_ids if r in self._streams}
+        for request_id in aborted:
+            self._streams[request_id].aborted = True
         aborted.update(self.engine.request_abort(request_ids))
         return sorted(aborted)
 

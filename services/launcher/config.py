@@ -230,8 +230,7 @@ def config_from_args(ns: argparse.Namespace) -> UpConfig:
     for name in ("num_prefill", "num_decode"):
         if getattr(config, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("port", "prefill_port", "decode_port", "prefill_metrics_port",
-                 "decode_metrics_port", "redis_port"):
+    for name in ("port", *(flag.replace("-", "_") for flag in _PORT_FLAGS)):
         value = getattr(config, name)
         if value is not None and not 0 < value < 65536:
             raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535, got {value}")

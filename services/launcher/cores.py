@@ -42,12 +42,8 @@ def distribute(cores: Sequence[int], num_replicas: int) -> list[Cores]:
     if len(cores) < num_replicas:
         return [(cores[i % len(cores)],) for i in range(num_replicas)]
     share, extra = divmod(len(cores), num_replicas)
-    out, start = [], 0
-    for i in range(num_replicas):
-        n = share + (1 if i < extra else 0)
-        out.append(cores[start:start + n])
-        start += n
-    return out
+    starts = [i * share + min(i, extra) for i in range(num_replicas + 1)]
+    return [cores[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def split_cores(cores: Sequence[int], num_prefill: int, num_decode: int,

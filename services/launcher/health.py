@@ -30,14 +30,21 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-class GrpcHealth:
-    """gRPC health checks (the standard grpc.health.v1 service) over one channel per
-    address, reused across polls."""
+class Prober:
+    """Runs a Probe of any kind; gRPC health checks (the standard grpc.health.v1 service)
+    go over one channel per address, reused across polls."""
 
     def __init__(self) -> None:
         self._channels: dict = {}
 
-    def serving(self, address: str, timeout: float = 2.0) -> bool:
+    def check(self, probe: Probe) -> bool:
+        if probe.kind == "redis":
+            return redis_ping(probe.target)
+        if probe.kind == "grpc":
+            return self.grpc_serving(probe.target)
+        return http_ok(probe.target)
+
+    def grpc_serving(self, address: str, timeout: float = 2.0) -> bool:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -57,20 +64,3 @@ class GrpcHealth:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
-
-
-class Prober:
-    """Runs a Probe of any kind."""
-
-    def __init__(self) -> None:
-        self.grpc = GrpcHealth()
-
-    def check(self, probe: Probe) -> bool:
-        if probe.kind == "redis":
-            return redis_ping(probe.target)
-        if probe.kind == "grpc":
-            return self.grpc.serving(probe.target)
-        return http_ok(probe.target)
-
-    def close(self) -> None:
-        self.grpc.close()

@@ -34,8 +34,6 @@ tokens: RSS 2,215 MiB = 1,134 weights + 256 KV + 825 the rest; rounded up."""
 GATEWAY_BYTES = 512 * 2**20
 """Resident bytes of the gateway process (tokenizer, templates, HTTP), a round allowance."""
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
-                      "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,7 @@ def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
     """(parameters, embedding parameters) of a safetensors checkpoint, read from the files'
     headers only. Raises OSError / ValueError for a missing or unreadable file."""
     import json
+    import math
     import struct
 
     total = embedding = 0
@@ -65,9 +64,7 @@ def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
         for name, info in header.items():
             if name == "__metadata__":
                 continue
-            numel = 1
-            for dim in info["shape"]:
-                numel *= dim
+            numel = math.prod(info["shape"])
             total += numel
             if name.endswith("embed_tokens.weight"):
                 embedding = numel
@@ -105,7 +102,7 @@ def plan_memory(plan: Plan) -> list[ChildMemory]:
                 weights_of[key] = engine_weight_bytes(*key)
             kv = parse_size(_flag(argv, "--kv-cache-memory", "2GiB")) if device == "cpu" else 0
             out.append(ChildMemory(child.name, weights_of[key], kv, ENGINE_OVERHEAD_BYTES))
-        elif child.name == "gateway" or child.name.startswith("gateway"):
+        elif child.name.startswith("gateway"):
             out.append(ChildMemory(child.name, 0, 0, GATEWAY_BYTES))
     return out
 

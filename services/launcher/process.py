@@ -69,19 +69,14 @@ class LogSink:
                 self.stream.write(text + "\n")
                 self.stream.flush()
             except (OSError, ValueError):
-                pass
+                pass  # our stdout is gone (closed pipe): the children still get stopped
 
     def write(self, name: str, line: str) -> None:
         prefix = f"[{name}]".ljust(self.width + 2)
         if self.color:
             code = self._colors.setdefault(name, _COLORS[len(self._colors) % len(_COLORS)])
             prefix = f"\x1b[{code}m{prefix}\x1b[0m"
-        with self._lock:
-            try:
-                self.stream.write(f"{prefix} {line}\n")
-                self.stream.flush()
-            except (OSError, ValueError):
-                pass  # our stdout is gone (closed pipe): the children still get stopped
+        self.raw(f"{prefix} {line}")
 
 
 class ChildProcess:

@@ -144,13 +144,12 @@ class Supervisor:
         self.say(f"{why}; restarting it in {delay:g} s (restart {e.failures} in a row)")
 
     def _start_again(self, e: _Entry, now: float) -> None:
+        e.started_at = now  # also when its ports are busy: it did not run, the backoff grows
         busy = self.busy_ports(e.ports)
         if busy:
-            e.started_at = now  # it did not run: the backoff keeps growing
             self._schedule(e, now, f"{e.child.name}: port {', '.join(map(str, busy))} "
                                    "still in use")
             return
-        e.started_at = now
         self.say(f"restarting {e.child.name}")
         try:
             e.child.start()

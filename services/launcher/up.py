@@ -57,7 +57,6 @@ class Launcher:
         self.plan = plan
         self.config = config
         self.sink = sink
-        self.backoff = backoff
         env = child_env(os.environ)
         self.children = [(spec, ChildProcess(spec.name, spec.argv, {**env, **spec.env}, sink))
                          for spec in plan.children]
@@ -299,45 +298,29 @@ def main(ns: argparse.Namespace) -> int:
     def say(message: str) -> None:
         sink.write(NAME, message)
 
-    config = with_internal_token(config)
-    try:
-        config = _claim_cores(config, say)
-    except SetupError as e:
-        say(f"error: {e}")
-        return 1
-
-    try:  # a model pdserve does not serve (a .gguf's too, from its header): before converting
+    try:  # a missing prerequisite: exit 1; a bad flag or model: exit 2
+        config = _claim_cores(with_internal_token(config), say)
+        # A model pdserve does not serve (a .gguf's too, from its header): before converting.
         check_model_dir(config.engine_args.model, config.engine_args.max_model_len)
-    except ValueError as e:
-        say(f"error: {e}")
-        return 2
-    try:
         if config.redis_url is None:
             ensure_redis_server(say)
         model_path = ensure_model(config.engine_args.model, say)
+        # The engines' own check, now: a bad flag (or model) fails before anything starts.
+        dataclasses.replace(config.engine_args, model=model_path).create_engine_configs()
+        name = served_model_name(config.engine_args.model, model_path,
+                                 config.engine_args.served_model_name)
+        plan = build_plan(config, model_path, name)
+        if config.extra_models:  # more models behind the one gateway (launcher/models.py)
+            plan = add_models(plan, config, resolve_extra_models(config, say))
     except SetupError as e:
         say(f"error: {e}")
         return 1
-    except KeyboardInterrupt:
-        say("interrupted before anything started")
-        return 130
-    try:  # the engines' own check, now: a bad flag (or model) fails before anything starts
-        dataclasses.replace(config.engine_args, model=model_path).create_engine_configs()
     except (ValueError, FileNotFoundError) as e:
         say(f"error: {e}")
         return 2
-    name = served_model_name(config.engine_args.model, model_path,
-                             config.engine_args.served_model_name)
-    plan = build_plan(config, model_path, name)
-    if config.extra_models:  # more models behind the one gateway (launcher/models.py)
-        try:
-            plan = add_models(plan, config, resolve_extra_models(config, say))
-        except (ValueError, FileNotFoundError) as e:
-            say(f"error: {e}")
-            return 2
-        except SetupError as e:
-            say(f"error: {e}")
-            return 1
+    except KeyboardInterrupt:
+        say("interrupted before anything started")
+        return 130
     try:  # a plan that cannot fit the machine: refused now, not OOM-killed under load
         too_big = check_plan_fits(plan)
     except (OSError, ValueError) as e:

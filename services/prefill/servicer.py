@@ -17,6 +17,7 @@ from pdserve.services.common.convert import (
 from pdserve.services.common.errors import abort_with
 from pdserve.services.common.server import ServiceRuntime
 from pdserve.services.common.servicer import EngineServicerBase
+from pdserve.services.prefill.pooling import pool
 from pdserve.services.prefill.worker import PrefillWorker
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.services.proto import engine_pb2_grpc
@@ -62,9 +63,9 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
         rid = request.request_id
         try:
             worker = self._worker(new_request=True)
-            out = await worker.pool(rid, list(request.prompt_token_ids),
-                                    request.cache_salt or None,
-                                    request.normalize if request.HasField("normalize") else None)
+            out = await pool(worker, rid, list(request.prompt_token_ids),
+                             request.cache_salt or None,
+                             request.normalize if request.HasField("normalize") else None)
         except Exception as e:
             await abort_with(context, e, rid, "Pool")
         params = worker.pooler_config

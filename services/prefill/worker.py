@@ -26,7 +26,6 @@ import grpc
 from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.state_feed import TransferView
 from pdserve.services.common.worker import EngineWorker
-from pdserve.services.prefill.pooling import pool
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.engine.trace import now_us
 from pdserve.shared.kv_transfer.codec import KVChunkData, encode_kv_blocks
@@ -53,12 +52,7 @@ class PrefillWorker(EngineWorker):
         self.kv_connector = self.engine_core.kv_connector
         self._reaper = asyncio.get_running_loop().create_task(self._reap_expired())
         self.pooler_config = self.engine_core.model_config.pooler_config
-        """The model's pooler with --runner pooling (Pool only); None: generate."""
-
-    async def pool(self, request_id: str, prompt_token_ids: list[int],
-                   cache_salt: str | None, normalize: bool | None) -> EngineCoreOutput:
-        """`services/prefill/pooling.py`'s pool(): a pooling request, prefill only."""
-        return await pool(self, request_id, prompt_token_ids, cache_salt, normalize)
+        """The model's pooler with --runner pooling (Pool only: pooling.py); None: generate."""
 
     # -- Prefill -----------------------------------------------------------------------------
 
