@@ -247,7 +247,8 @@ def test_longrope_cache_hits_never_mix_long_and_short_kv(longrope):
     run(long_again, 32)  # the long prompt's, not the short one's
     kv = llm.engine.scheduler.kv_cache_manager
     short, long = (hash_request_tokens(short_prompt[:32], 16, block_extra_keys(
-        kv.model_name, None, "none", rope_long)) for rope_long in (False, True))
+        llm.engine.model_config.served_model_name, None, "none", rope_long))
+        for rope_long in (False, True))
     assert short != long and all(kv.block_pool.get_cached_block(h) for h in short + long)
     run(crossing, 0)
     run(crossing, 48)  # the blocks of its short prompt, computed before it crossed
