@@ -118,6 +118,10 @@ class CacheConfig:
     """Automatic prefix caching (APC) of full blocks."""
     num_gpu_blocks_override: int | None = None
     """Testing knob: exact pool size, null block included."""
+    kv_offload_dir: str = ""
+    """The disk tier's directory (blocks evicted from the pool kept as files); "": none."""
+    kv_offload_size: int = 8 << 30
+    """Most bytes the disk tier holds (least recently used blocks dropped first)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pdserve.shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig, check_draft_model
+from pdserve.shared.kv_cache.tier_args import add_kv_tier_cli_args
 from pdserve.shared.lora.args import LoRAConfig, add_lora_cli_args, create_lora_config
 from pdserve.shared.pooling_params import PoolerConfig, resolve_runner
 
@@ -111,6 +112,11 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_offload_dir: str = ""
+    """The disk tier's directory (shared/kv_cache/tier_args.py); empty: no disk tier."""
+    kv_offload_size: str = "8GiB"
+    kv_events_config: str | dict | None = None
+    """vLLM's --kv-events-config JSON (services/common/kv_events.py); None: no publisher."""
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -239,6 +245,7 @@ class EngineArgs:
                             "at arrival to miss the TTFT target (Mooncake's early rejection); "
                             "off: it is served, counted in pdserve_slo_ttft_unreachable")
         add_lora_cli_args(g, env, env_bool)
+        add_kv_tier_cli_args(g, env)
         g.add_argument("--trace-file", default=env("trace_file", d.trace_file),
                        help="append this engine's timeline (steps, core-share waits, KV "
                             "transfers) to this Chrome-trace file, for Perfetto; every engine "
@@ -360,7 +367,9 @@ class EngineArgs:
         cache_config = CacheConfig(block_size=self.block_size,
                                    kv_cache_memory=parse_size(self.kv_cache_memory),
                                    enable_prefix_caching=self.enable_prefix_caching,
-                                   num_gpu_blocks_override=self.num_gpu_blocks_override)
+                                   num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                   kv_offload_dir=self.kv_offload_dir,
+                                   kv_offload_size=parse_size(self.kv_offload_size))
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(self.max_num_batched_tokens, self.block_size),

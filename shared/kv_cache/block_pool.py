@@ -19,6 +19,12 @@ from typing import NamedTuple
 
 from pdserve.shared.kv_cache.prefix_hash import BlockHash
 
+MEDIUM_MEMORY = "GPU"
+"""The medium of the engine's own pool in KV events: vLLM's `MEDIUM_GPU`, which vLLM's CPU
+build reports for its pool too, so routers that read vLLM's events read pdserve's."""
+MEDIUM_DISK = "STORAGE"
+"""The medium of the local disk tier (shared/kv_cache/disk_store.py): vLLM's `MEDIUM_STORAGE`."""
+
 
 class BlockStored(NamedTuple):
     """Blocks with these hashes became cached in this pool."""
