@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,8 @@ class LLM:
             raise
         while self.engine.has_unfinished_requests():
             self.engine.step()
+            if not self.engine.last_step_scheduled:  # waits on a disk load: let it run
+                time.sleep(0.0005)
         for out, index, req in requests.values():
             out.outputs.append(CompletionOutput(
                 index=index,

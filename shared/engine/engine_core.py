@@ -23,10 +23,15 @@ from pdserve.shared.config import (
     SchedulerConfig,
 )
 from pdserve.shared.engine.core_share import NO_PREFILL, CoreShare
+from pdserve.shared.engine.kv_offload import make_offloader
 from pdserve.shared.engine.model_runner import ModelRunner
 from pdserve.shared.engine.scheduler import Scheduler
 from pdserve.shared.engine.scheduler_output import SchedulerOutput
-from pdserve.shared.engine.scheduling_policy import validate_request, window_chunk_config
+from pdserve.shared.engine.scheduling_policy import (
+    freeing_window,
+    validate_request,
+    window_chunk_config,
+)
 from pdserve.shared.engine.slo_budget import PrefillBudget, TTFTUnreachableError
 from pdserve.shared.engine.spec_decode.config import SpeculativeConfig
 from pdserve.shared.engine.spec_decode.scheduling import make_proposer, propose_drafts
@@ -118,7 +123,7 @@ class EngineCore:
             # NOTE: only services drain take_events() (for the Redis index); an offline
             # engine would accumulate them forever.
             enable_kv_cache_events=enable_kv_cache_events,
-            sliding_window=_freeing_window(self.model_runner.model, speculative_config))
+            sliding_window=freeing_window(self.model_runner.model, speculative_config))
         self.kv_connector = KVConnector()
         """When finished prefills' blocks are freed (held for a KV transfer until done)."""
         long_rows = self.model_runner.long_rows
@@ -127,6 +132,11 @@ class EngineCore:
                                                cache_config.block_size, self.num_gpu_blocks)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, self.kv_connector,
                                    long_rows.original if long_rows is not None else None)
+        self.kv_offloader = self.scheduler.kv_transfers.offloader = make_offloader(
+            model_config.model_path, model_config.dtype, model_config.quantization,
+            cache_config.kv_offload_dir, cache_config.kv_offload_size,
+            self.model_runner.kv_caches, self.kv_cache_manager)
+        """The disk tier (`--kv-offload-dir`, shared/engine/kv_offload.py); None: none."""
         if lora_config is not None:
             self.scheduler.lora_admission = LoRAAdmission(lora_config.max_loras)
         self.prefill_budget = (
@@ -292,6 +302,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.structured_output.close()
+        if self.kv_offloader is not None:
+            self.kv_offloader.shutdown()  # flushes the writes queued
         if self.core_share is not None:
             self.core_share.close()
 
@@ -382,16 +394,3 @@ def num_prompt_tokens_of(scheduler_output, request_ids: Container[str]) -> int:
     return sum(max(0, min(s.start_pos + s.num_scheduled_tokens, s.request.num_prompt_tokens)
                    - s.start_pos)
                for s in scheduler_output.scheduled if s.request.request_id in request_ids)
-
-
-
-def _freeing_window(model, speculative_config: SpeculativeConfig | None) -> int | None:
-    """The window past which the KV cache manager frees a request's blocks: the largest of
-    the model's layer windows when every layer has one; None when any layer attends fully,
-    or a draft model shares the block tables (it attends fully over them)."""
-    windows = tuple(getattr(model, "sliding_windows", ()) or ())
-    if not windows or any(w is None for w in windows):
-        return None
-    if speculative_config is not None and speculative_config.method == "draft_model":
-        return None
-    return max(windows)

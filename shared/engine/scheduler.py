@@ -178,13 +178,8 @@ class Scheduler:
         return MappingProxyType({request_id: tuple(kv.get_block_ids(request_id))
                                  for request_id in kv.req_to_blocks})
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    num_running = property(lambda self: len(self.running))
+    num_waiting = property(lambda self: len(self.waiting))
 
     def prefill_urgency(self) -> tuple[int, bool]:
         """`scheduling_policy.prefill_urgency` of this scheduler's queues (core share)."""
@@ -284,6 +279,9 @@ class Scheduler:
             if request.num_computed_tokens == 0 and \
                     request.sampling_params.prompt_logprobs is None and uses_prefix_hits(request):
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
+                if self.kv_transfers.start_load(request, hits):  # the rest is on disk
+                    admitted.append(request)
+                    continue
             num_new_tokens = batch.fit(request, request.num_computed_tokens + num_hit_tokens)
             if num_new_tokens == 0:
                 break  # this step's prefill budget is spent (the order stands)

@@ -7,6 +7,10 @@
              like any request); aborted while its blocks are written ──▶ aborted_recving,
              freed when the receive ends; a failed receive leaves it for the service to
              abort
+    tiers:   a waiting request whose prefix goes on past the pool's hits on disk ──start_load
+             ──▶ loading (blocks allocated, not cached) ──load done──▶ the loaded blocks
+             cached; all loaded: num_computed_tokens set, WAITING with its blocks; fewer
+             (a block missing or bad on disk): blocks freed, WAITING to recompute the rest
 
 The blocks are the scheduler's in every state (docs/lifecycle.md): the Scheduler owns this
 tracker; the connector (shared/kv_transfer/connector.py) only says when a transfer ended.
@@ -15,12 +19,17 @@ tracker; the connector (shared/kv_transfer/connector.py) only says when a transf
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from pdserve.shared.engine.scheduler_output import RequestView
+from pdserve.shared.kv_cache.block_pool import KVCacheBlock
 from pdserve.shared.kv_cache.kv_cache_manager import KVCacheManager
 from pdserve.shared.kv_transfer.connector import KVConnector
 from pdserve.shared.kv_transfer.params import HeldBlocks, RemotePrefill
 from pdserve.shared.request import Request, RequestStatus
+
+if TYPE_CHECKING:  # torch: the scheduler stays importable without it
+    from pdserve.shared.engine.kv_offload import KVOffloader
 
 
 class KVTransferTracker:
@@ -32,9 +41,16 @@ class KVTransferTracker:
             transfers end; None: no transfers (every method is then a no-op or False).
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, kv_connector: KVConnector | None):
+    def __init__(self, kv_cache_manager: KVCacheManager, kv_connector: KVConnector | None,
+                 offloader: KVOffloader | None = None):
         self.kv_cache_manager = kv_cache_manager
         self.kv_connector = kv_connector
+        self.offloader = offloader
+        """The disk tier's loads (shared/engine/kv_offload.py); None: no disk tier."""
+        self.loading: dict[str, tuple[Request, int, int]] = {}
+        """request_id -> (request, pool-hit blocks, blocks being loaded from disk)."""
+        self.aborted_loading: set[str] = set()
+        """Requests aborted while a load writes their blocks (freed once it ends)."""
         self.finished_sending: dict[str, Request] = {}
         """Finished requests whose blocks the connector holds for a send, by id."""
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -86,12 +102,60 @@ class KVTransferTracker:
             request, kv.get_block_ids(request.request_id), num_hit_tokens)
         return True
 
+    def start_load(self, request: Request, hits: list[KVCacheBlock]) -> bool:
+        """Admit a waiting request whose prefix goes on on disk past the pool's `hits`:
+        allocate blocks for the hits and the disk blocks (cached once loaded) and start the
+        load. False (nothing changed) without a disk tier or a disk hit, or when the pool
+        lacks the blocks now; the caller then computes the prompt as usual."""
+        off, kv = self.offloader, self.kv_cache_manager
+        if off is None:
+            return False
+        stats = off.stats
+        num_hits = len(hits)
+        max_blocks = min((request.num_tokens - 1) // kv.block_size, len(request.block_hashes))
+        stats.memory_queries += max_blocks
+        stats.memory_hits += num_hits
+        stats.disk_queries += max_blocks - num_hits
+        num_load = off.store.count_prefix(request.block_hashes, num_hits, max_blocks)
+        if num_load == 0 or kv.allocate_slots(request, num_load * kv.block_size, hits,
+                                              num_hits * kv.block_size,
+                                              delay_cache_blocks=True) is None:
+            return False
+        stats.disk_hits += num_load
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = (request, num_hits, num_load)
+        off.load(request.request_id, request.block_hashes[num_hits:num_hits + num_load],
+                 kv.get_block_ids(request.request_id)[num_hits:num_hits + num_load])
+        return True
+
+    def _take_loaded(self) -> list[Request]:
+        """Apply the loads the offloader reports ended (see the module's drawing)."""
+        assert self.offloader is not None
+        kv, ready = self.kv_cache_manager, []
+        for request_id, num_loaded in self.offloader.take_finished().items():
+            request, num_hits, num_load = self.loading.pop(request_id)
+            if request_id in self.aborted_loading:
+                self.aborted_loading.discard(request_id)
+                kv.free(request)
+                continue
+            request.num_computed_tokens = (num_hits + num_loaded) * kv.block_size
+            kv.cache_blocks(request, request.num_computed_tokens)
+            if num_loaded < num_load:  # recompute the rest, from the pool's hits again
+                kv.free(request)
+                request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            ready.append(request)
+        return ready
+
     def free_finished(self, request: Request) -> None:
         """Free a finished request's blocks, unless a transfer still needs them: the
         connector delays a prefill's (its params are then `HeldBlocks`), a receive still
         writing an aborted request's holds them until it ends."""
         kv = self.kv_cache_manager
         request_id = request.request_id
+        if request_id in self.loading:
+            self.aborted_loading.add(request_id)
+            return
         if self.waiting_for_remote_kvs.pop(request_id, None) is not None and \
                 self.kv_connector is not None and self.kv_connector.is_recving(request_id):
             self.aborted_recving[request_id] = request
@@ -109,14 +173,14 @@ class KVTransferTracker:
         """Apply the transfers the connector reports ended: free sent (or aborted, received)
         requests' blocks. Returns the received requests, now WAITING: their KV is in place,
         their tokens computed and full blocks cached (the caller queues them)."""
+        ready = self._take_loaded() if self.loading else []
         if self.kv_connector is None or not (self.finished_sending or
                                              self.waiting_for_remote_kvs or self.aborted_recving):
-            return []
+            return ready
         kv = self.kv_cache_manager
         sent, received = self.kv_connector.get_finished()
         for request_id in sent:
             kv.free(self.finished_sending.pop(request_id))
-        ready = []
         for request_id, ok in received.items():
             if (request := self.aborted_recving.pop(request_id, None)) is not None:
                 kv.free(request)
@@ -138,3 +202,4 @@ class KVTransferTracker:
         yield from (RequestView.of(r, kv, "send") for r in self.finished_sending.values())
         for held in (self.waiting_for_remote_kvs, self.aborted_recving):
             yield from (RequestView.of(r, kv, "receive") for r in held.values())
+        yield from (RequestView.of(r, kv, "load") for r, _, _ in self.loading.values())

@@ -184,3 +184,15 @@ def min_tpot_slack(running: Iterable[Request], slo_tpot_s: float, now: float) ->
             budget = slo_tpot_s * (r.num_output_tokens - 1)
             slack = min(slack, budget - (now - r.arrival_time))
     return slack
+
+
+def freeing_window(model, speculative_config) -> int | None:
+    """The window past which the KV cache manager frees a request's blocks: the largest of
+    the model's layer windows when every layer has one; None when any layer attends fully,
+    or a draft model shares the block tables (it attends fully over them)."""
+    windows = tuple(getattr(model, "sliding_windows", ()) or ())
+    if not windows or any(w is None for w in windows):
+        return None
+    if speculative_config is not None and speculative_config.method == "draft_model":
+        return None
+    return max(windows)

@@ -14,7 +14,7 @@ state_feed.py): a live block map then costs O(changed blocks) per frame, not O(p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from pdserve.shared.kv_cache.prefix_hash import BlockHash
@@ -151,6 +151,9 @@ class BlockPool:
         self._events: list[KVCacheEvent] = []
         self._changed: set[int] | None = None
         """Ids of blocks whose ref_cnt or hash changed since the last take (tracking on)."""
+        self.on_evict: Callable[[list[int], list[BlockHash]], None] | None = None
+        """Called with (block_ids, block_hashes) of cached blocks `get_new_blocks` evicts,
+        before it returns them for reuse (the disk tier copies their KV out here)."""
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -166,15 +169,19 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} free blocks, only "
                              f"{self.free_block_queue.num_free_blocks} left")
         evicted: list[BlockHash] = []
+        evicted_ids: list[int] = []
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:
                 del self.cached_block_hash_to_block[block.block_hash]
                 evicted.append(block.block_hash)
+                evicted_ids.append(block.block_id)
                 block.block_hash = None
             block.ref_cnt = 1
             blocks.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted_ids, evicted)
         if evicted and self.enable_kv_cache_events:
             self._events.append(BlockRemoved(evicted))
         if self._changed is not None:

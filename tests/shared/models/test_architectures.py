@@ -207,18 +207,18 @@ def test_blocks_out_of_every_window_are_freed_as_requests_grow(tmp_path, prompts
 def test_only_a_model_windowed_on_every_layer_frees_blocks_early():
     from types import SimpleNamespace
 
-    from pdserve.shared.engine.engine_core import _freeing_window
+    from pdserve.shared.engine.scheduling_policy import freeing_window
 
     def model(*windows):
         return SimpleNamespace(sliding_windows=windows)
 
-    assert _freeing_window(model(48, 48), None) == 48
-    assert _freeing_window(model(32, 64), None) == 64  # outside every layer's window
-    assert _freeing_window(model(None, 40), None) is None  # a full layer reads them all
-    assert _freeing_window(model(), None) is None
+    assert freeing_window(model(48, 48), None) == 48
+    assert freeing_window(model(32, 64), None) == 64  # outside every layer's window
+    assert freeing_window(model(None, 40), None) is None  # a full layer reads them all
+    assert freeing_window(model(), None) is None
     draft = SimpleNamespace(method="draft_model")
-    assert _freeing_window(model(48, 48), draft) is None  # the draft reads the tables fully
-    assert _freeing_window(model(48, 48), SimpleNamespace(method="ngram")) == 48
+    assert freeing_window(model(48, 48), draft) is None  # the draft reads the tables fully
+    assert freeing_window(model(48, 48), SimpleNamespace(method="ngram")) == 48
 
 
 def test_layer_windows_follow_transformers():

@@ -1,0 +1,228 @@
+"""KVOffloader: moves KV blocks between the paged pool and the disk tier, off the engine's step.
+
+    evict (engine thread, inside BlockPool.get_new_blocks, before the block is reused)
+        └─ on_evict: index_select the blocks' K and V of every layer into one buffer
+           ──▶ writer thread: one file per block (DiskBlockStore.put)
+    load (engine thread, at admission: KVTransferTracker.start_load)
+        └─ load(): blocks allocated, not yet cached ──▶ loader thread: read + verify each
+           block into a host buffer (DiskBlockStore.get_into) ──▶ take_finished (engine
+           thread, next schedule): index_copy_ into the pool, report the count
+
+The engine thread does only the copies (2 x num_layers index_select / index_copy_ calls per
+batch of blocks, no Python per block); the I/O threads make no torch call (file reads,
+writes and checksums release the GIL; a second OpenMP team would make the engine's workers
+sleep between regions: engine_core.apply_cpu_placement's NOTE), and no other thread ever
+writes the pool.
+
+A block already on disk is not written again. Loads never serve a bad block: the loader
+stops at the first block the store does not answer (missing, truncated, corrupt), and
+reports how many leading blocks it read; the scheduler recomputes the rest.
+
+Source: vLLM's KV offloading connector (CPU tier, v0.11) and LMCache's local disk backend
+keep evicted or finished blocks in a slower tier the same way; this is pdserve's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.shared.kv_cache.disk_store import DiskBlockStore, kv_identity
+from pdserve.shared.kv_cache.prefix_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+MAX_PENDING_WRITES = 4096
+"""Evicted blocks waiting for the writer; past this, evictions are not kept (counted)."""
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    """Cumulative counters of the tiers, in blocks (monotonic, for Prometheus counters)."""
+
+    memory_queries: int = 0
+    """Full blocks looked up in the pool at admission (those the prompt could hit)."""
+    memory_hits: int = 0
+    disk_queries: int = 0
+    """Blocks looked up on disk: those past the pool's hits."""
+    disk_hits: int = 0
+    """Blocks found on disk at admission (a load started)."""
+    writes_dropped: int = 0
+    """Evicted blocks not kept because the writer was behind."""
+    load_seconds: list[float] = field(default_factory=list)
+    """Durations of finished loads since the last `take_load_seconds` (seconds)."""
+
+
+class KVOffloader:
+    """The disk tier's traffic for one engine: evicted blocks out, admitted prefixes in.
+
+    Args:
+        store: the engine's disk tier.
+        kv_caches: the pool, per layer (k_cache, v_cache), each
+            [num_blocks, block_size, num_kv_heads, head_dim], any dtype and device.
+    """
+
+    def __init__(self, store: DiskBlockStore, kv_caches: KVCaches):
+        self.store = store
+        self.kv_caches = kv_caches
+        k = kv_caches[0][0]
+        self.block_shape = (len(kv_caches), 2, *k.shape[1:])
+        """One block's payload: [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]."""
+        self.dtype = k.dtype
+        self.stats = OffloadStats()
+        self._pending: set[BlockHash] = set()
+        """Hashes queued for the writer (not re-queued by another eviction)."""
+        self._finished: dict[str, tuple[int, torch.Tensor | None, list[int]]] = {}
+        """request_id -> (blocks loaded, their host buffer, block ids), for loads that ended
+        (copied into the pool and reported by take_finished)."""
+        self._lock = threading.Lock()
+        self._writes: queue.SimpleQueue = queue.SimpleQueue()
+        self._loads: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._serve, args=(q, fn), name=name,
+                                          daemon=True)
+                         for q, fn, name in ((self._writes, self._write, "kv-offload-write"),
+                                             (self._loads, self._load, "kv-offload-load"))]
+        for t in self._threads:
+            t.start()
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def on_evict(self, block_ids: list[int], block_hashes: list[BlockHash]) -> None:
+        """Copy the KV of cached blocks the pool is evicting (before anything overwrites
+        them) and queue it for the disk. Blocks already on disk or queued are skipped."""
+        store, pending = self.store, self._pending
+        keep = [i for i, h in enumerate(block_hashes) if h not in store and h not in pending]
+        if not keep:
+            return
+        room = MAX_PENDING_WRITES - len(pending)
+        if len(keep) > room:
+            self.stats.writes_dropped += len(keep) - max(room, 0)
+            keep = keep[:max(room, 0)]
+            if not keep:
+                return
+        device = self.kv_caches[0][0].device
+        ids = torch.tensor([block_ids[i] for i in keep], dtype=torch.long, device=device)
+        num_layers, _, *rest = self.block_shape
+        buf = torch.empty((num_layers, 2, len(keep), *rest), dtype=self.dtype, device=device)
+        for layer, (k_cache, v_cache) in enumerate(self.kv_caches):
+            torch.index_select(k_cache, 0, ids, out=buf[layer, 0])
+            torch.index_select(v_cache, 0, ids, out=buf[layer, 1])
+        hashes = [block_hashes[i] for i in keep]
+        with self._lock:
+            pending.update(hashes)
+        self._writes.put((hashes, buf))
+
+    def load(self, request_id: str, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
+        """Start reading `block_hashes` from disk into the pool's `block_ids` (one each, in
+        order). The blocks must stay allocated, and unread by any step, until
+        `take_finished` reports the request."""
+        self._loads.put((request_id, list(block_hashes), list(block_ids), time.monotonic()))
+
+    def take_finished(self) -> dict[str, int]:
+        """request_id -> how many leading blocks were loaded, for the loads that ended since
+        the last call (fewer than asked: the next block was missing or bad). Copies the
+        loaded blocks into the pool first (engine thread: 2 x num_layers index_copy_)."""
+        if not self._finished:
+            return {}
+        with self._lock:
+            done, self._finished = self._finished, {}
+        kv_caches = self.kv_caches
+        device = kv_caches[0][0].device
+        counts = {}
+        for request_id, (n, host, block_ids) in done.items():
+            counts[request_id] = n
+            if n:
+                ids = torch.tensor(block_ids[:n], dtype=torch.long, device=device)
+                src = host[:n].to(device)
+                for layer, (k_cache, v_cache) in enumerate(kv_caches):
+                    k_cache.index_copy_(0, ids, src[:, layer, 0])
+                    v_cache.index_copy_(0, ids, src[:, layer, 1])
+        return counts
+
+    def take_load_seconds(self) -> list[float]:
+        with self._lock:
+            out, self.stats.load_seconds = self.stats.load_seconds, []
+        return out
+
+    def shutdown(self) -> None:
+        """Stop both threads after the work queued so far (pending writes are flushed)."""
+        for q in (self._writes, self._loads):
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # -- I/O threads ------------------------------------------------------------------------
+
+    def _serve(self, q: queue.SimpleQueue, fn) -> None:
+        while (item := q.get()) is not None:
+            try:
+                fn(*item)
+            except Exception:  # never let one block take the tier down
+                logger.exception("disk tier: %s failed", fn.__name__)
+                if fn == self._load:  # the scheduler must hear of the load all the same
+                    with self._lock:
+                        self._finished[item[0]] = (0, None, [])
+
+    def _write(self, hashes: list[BlockHash], buf: torch.Tensor) -> None:
+        """Write each block of `buf` [num_layers, 2, len(hashes), ...] as the file payload
+        [num_layers, 2, block_size, num_kv_heads, head_dim]: 2 x num_layers slices, no
+        torch call (a CUDA pool's buffer is moved to the host once)."""
+        host = (buf if buf.device.type == "cpu" else buf.cpu()).view(torch.uint8).numpy()
+        num_layers = host.shape[0]
+        try:
+            for i, block_hash in enumerate(hashes):
+                self.store.put(block_hash, [host[layer, kv, i].data
+                                            for layer in range(num_layers) for kv in (0, 1)])
+        finally:
+            with self._lock:
+                self._pending.difference_update(hashes)
+
+    def _load(self, request_id: str, hashes: list[BlockHash], block_ids: list[int],
+              started: float) -> None:
+        """Read and verify the blocks into one host buffer [n, *block_shape], stopping at
+        the first miss; the engine thread copies them into the pool (`take_finished`)."""
+        host = torch.empty((len(hashes), *self.block_shape), dtype=self.dtype)
+        raw = memoryview(host.view(torch.uint8).numpy()).cast("B")
+        size = self.store.block_nbytes
+        n = 0
+        for block_hash in hashes:
+            if not self.store.get_into(block_hash, raw[n * size:(n + 1) * size]):
+                break
+            n += 1
+        with self._lock:
+            self._finished[request_id] = (n, host, block_ids)
+            self.stats.load_seconds.append(time.monotonic() - started)
+
+
+def make_offloader(model_path: str, dtype: str, quantization: str, directory: str,
+                   capacity_bytes: int, kv_caches: KVCaches,
+                   kv_cache_manager) -> KVOffloader | None:
+    """The engine's disk tier on `directory`, hooked to the pool's evictions; None when
+    `directory` is empty, prefix caching is off, or every layer has a sliding window (its
+    blocks leave the pool while the request runs: not offloaded, documented).
+
+    Raises:
+        ValueError / OSError: as DiskBlockStore (a size below one block, no directory).
+    """
+    if not directory or not kv_cache_manager.enable_caching:
+        return None
+    if kv_cache_manager.sliding_window is not None:
+        logger.warning("disk tier: off, the model's layers all have a sliding window")
+        return None
+    k = kv_caches[0][0]
+    block_nbytes = len(kv_caches) * 2 * k[0].numel() * k.element_size()
+    identity = kv_identity(model=model_path, dtype=dtype, quantization=quantization,
+                           num_layers=len(kv_caches), block_shape=tuple(k.shape[1:]))
+    store = DiskBlockStore(directory, capacity_bytes, identity, block_nbytes)
+    offloader = KVOffloader(store, kv_caches)
+    kv_cache_manager.block_pool.on_evict = offloader.on_evict
+    logger.info("disk tier: %s, %d blocks of %.2f MiB at most (%d on disk)", store.root,
+                store.capacity_blocks, store.file_nbytes / 2**20, len(store))
+    return offloader
