@@ -13,6 +13,9 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.services.common.tier_metrics import TierMetrics
+from pdserve.shared.engine.kv_offload import TierSnapshot
+
 # vLLM's bucket edges (seconds).
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -114,6 +117,7 @@ class ServiceMetrics:
             "(as loaded), packed_weights (oneDNN / GEMV copies), int8_weights, kv_cache (the "
             "KV pool), draft_weights; on the engine's device.", ("kind",))
         self._model = model_name
+        self._tiers: TierMetrics | None = None
         self._seen: dict[tuple, float] = {}
         """(counter, label values) -> the engine's cumulative total it was raised to."""
         # Every series without extra labels exists from the start, at 0 (a dashboard's
@@ -154,6 +158,13 @@ class ServiceMetrics:
         self._inc_to(self._prefix_queries, s.prefix_cache_queries)
         self._inc_to(self._prefix_hits, s.prefix_cache_hits)
         self._inc_to(self._preemptions, s.num_preemptions)
+
+    def kv_tiers(self, snapshot: TierSnapshot) -> None:
+        """The KV tiers' series (services/common/tier_metrics.py), made at the first
+        snapshot: absent without a disk tier."""
+        if self._tiers is None:
+            self._tiers = TierMetrics(self._model, self.registry)
+        self._tiers.update(snapshot)
 
     def prompt_tokens_after_abort(self, total: int) -> None:
         """The engine's cumulative count (EngineCore.num_prompt_tokens_after_abort)."""

@@ -33,7 +33,7 @@ import logging
 from pdserve.services.common.lora import lora_stats_op
 from pdserve.services.common.metrics import EngineStats
 from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
-from pdserve.services.common.worker import EngineWorker, stats_op
+from pdserve.services.common.worker import EngineWorker, stats_op, tier_snapshot_op
 from pdserve.shared.kv_cache.block_pool import BlockStored, KVCacheEvent
 
 logger = logging.getLogger(__name__)
@@ -127,11 +127,15 @@ class InstanceMonitor:
         """Drain events, update metrics, queue the net changes for the writer
         (never waits on Redis)."""
         async with self._lock:
-            events, self.stats, after_abort, unreachable, lora = await self.worker.engine.call(
-                lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
-                           e.num_prompt_tokens_after_abort,
-                           (e.num_ttft_unreachable, e.num_ttft_rejected), lora_stats_op(e)))
+            events, self.stats, after_abort, unreachable, lora, tiers = \
+                await self.worker.engine.call(
+                    lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
+                               e.num_prompt_tokens_after_abort,
+                               (e.num_ttft_unreachable, e.num_ttft_rejected), lora_stats_op(e),
+                               tier_snapshot_op(e)))
             self.worker.metrics.update_engine(self.stats, self.worker.num_pinned_blocks())
+            if tiers is not None:
+                self.worker.metrics.kv_tiers(tiers)
             if lora is not None:
                 self.worker.metrics.lora_info(*lora)
             self.worker.metrics.prompt_tokens_after_abort(after_abort)

@@ -31,6 +31,7 @@ from pdserve.services.common.metrics import EngineStats, ServiceMetrics
 from pdserve.services.common.state_feed import Counters, LoopSide, StateFeed, TransferView
 from pdserve.shared.engine.async_engine import AsyncEngine
 from pdserve.shared.engine.engine_core import EngineCore
+from pdserve.shared.engine.kv_offload import TierSnapshot
 from pdserve.shared.kv_transfer.codec import KVLayout
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.request import RequestStatus
@@ -85,6 +86,13 @@ def stats_op(engine: EngineCore) -> EngineStats:
         num_used_blocks=pool.num_gpu_blocks - 1 - num_free, num_paused=s.num_paused)
 
 
+def tier_snapshot_op(engine: EngineCore) -> TierSnapshot | None:
+    """The KV tiers now (`KVOffloader.snapshot`); None without a disk tier."""
+    off = engine.kv_offloader
+    return None if off is None else off.snapshot(engine.kv_cache_manager.block_pool
+                                                 .num_cached_blocks)
+
+
 def lora_users_op(engine: EngineCore, lora_int_id: int) -> list[str]:
     """The unfinished requests running under the adapter `lora_int_id`."""
     return [v.request_id for v in engine.scheduler.request_views()
@@ -98,6 +106,8 @@ def check_invariants_op(engine: EngineCore) -> tuple[str, list[str]]:
     invariant, or "" and the ids of the requests holding blocks that nothing owns."""
     try:
         engine.kv_cache_manager.check_invariants()
+        if engine.kv_offloader is not None:
+            engine.kv_offloader.check_invariants()
     except AssertionError as e:
         return str(e) or "AssertionError", []
     scheduler = engine.scheduler

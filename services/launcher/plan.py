@@ -12,6 +12,7 @@ check the command lines directly.
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import sys
 from collections.abc import Iterator, Mapping
@@ -111,7 +112,8 @@ def engine_flags(args: EngineArgs) -> list[str]:
     for f in dataclasses.fields(EngineArgs):
         value = getattr(args, f.name)
         flag = "--" + f.name.replace("_", "-")
-        if value is None or (f.name in ("cpu_cores", "core_share") and not value):
+        if value is None or (f.name in ("cpu_cores", "core_share", "kv_offload_dir")
+                             and not value):
             continue
         if isinstance(value, bool):
             if value != getattr(defaults, f.name):
@@ -119,6 +121,15 @@ def engine_flags(args: EngineArgs) -> list[str]:
         else:
             out += [flag, str(value)]
     return out
+
+
+def _tier_of(args: EngineArgs, role: str, i: int) -> EngineArgs:
+    """The engine's own disk tier, `<--kv-offload-dir>/<role>-<i>`: the same after a
+    restart, so the engine finds its blocks again; never shared by two engines."""
+    if not args.kv_offload_dir:
+        return args
+    root = os.path.abspath(args.kv_offload_dir)
+    return dataclasses.replace(args, kv_offload_dir=os.path.join(root, f"{role}-{i}"))
 
 
 def _ports(base: int | None, n: int, picked: Iterator[int]) -> list[int]:
@@ -184,7 +195,7 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                     "serve", role,
                     "--host", "127.0.0.1", "--port", str(port),
                     "--metrics-port", str(metrics_port), "--redis-url", redis_url,
-                    "--grace-period", f"{grace:g}", *engine_flags(args)]
+                    "--grace-period", f"{grace:g}", *engine_flags(_tier_of(args, role, i))]
             if cores[i]:
                 argv += ["--cpu-cores", format_cores(cores[i])]
             if config.lora_modules:

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +59,24 @@ class OffloadStats:
     """Evicted blocks not kept because the writer was behind."""
     load_seconds: list[float] = field(default_factory=list)
     """Durations of finished loads since the last `take_load_seconds` (seconds)."""
+
+
+class TierSnapshot(NamedTuple):
+    """The tiers of one engine at one moment: per tier ("memory": the pool's cached
+    blocks, "disk"), blocks and bytes held (gauges), blocks looked up at admission and
+    found (cumulative); the disk tier's cumulative block counts; load durations (s)."""
+
+    blocks: dict[str, int]
+    bytes: dict[str, int]
+    queries: dict[str, int]
+    hits: dict[str, int]
+    stores: int
+    loads: int
+    store_failures: int
+    load_failures: int
+    evictions: int
+    writes_dropped: int
+    load_seconds: tuple[float, ...]
 
 
 class KVOffloader:
@@ -150,6 +169,29 @@ class KVOffloader:
         with self._lock:
             out, self.stats.load_seconds = self.stats.load_seconds, []
         return out
+
+    def snapshot(self, pool_cached_blocks: int) -> TierSnapshot:
+        """The tiers' gauges and counters now (engine thread); the load durations since the
+        last snapshot are handed over once."""
+        st, disk = self.stats, self.store.stats
+        block_nbytes = self.store.block_nbytes
+        return TierSnapshot(
+            blocks={"memory": pool_cached_blocks, "disk": len(self.store)},
+            bytes={"memory": pool_cached_blocks * block_nbytes, "disk": self.store.num_bytes},
+            queries={"memory": st.memory_queries, "disk": st.disk_queries},
+            hits={"memory": st.memory_hits, "disk": st.disk_hits},
+            stores=disk.stores, loads=disk.loads, store_failures=disk.store_failures,
+            load_failures=disk.load_failures, evictions=disk.evictions,
+            writes_dropped=st.writes_dropped, load_seconds=tuple(self.take_load_seconds()))
+
+    def check_invariants(self) -> None:
+        """The disk tier's leak audit: no file on disk outside the index (a partial or
+        orphaned write), at most the capacity indexed. O(files): tests and audits only.
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        self.store.check_invariants()
 
     def shutdown(self) -> None:
         """Stop both threads after the work queued so far (pending writes are flushed)."""

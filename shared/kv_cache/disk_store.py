@@ -23,8 +23,9 @@ directory) is dropped and counted; a deleted directory is made again at the next
 At start the store re-indexes its directory (oldest file first by mtime, so LRU order
 survives a restart); files of the wrong size are deleted then, corrupt ones at first read.
 
-Thread-safety: every public method takes one lock around the index; file I/O runs outside
-it, so a reader and a writer of different blocks do not wait on each other.
+Thread-safety: one lock guards the index, and a file is renamed into place or deleted
+under it (so a file is on disk exactly while indexed); reading and writing a payload run
+outside it, so a reader and a writer of different blocks do not wait on each other.
 """
 
 from __future__ import annotations
@@ -179,7 +180,9 @@ class DiskBlockStore:
                     raise OSError("short write")
             finally:
                 os.close(fd)
-            os.replace(tmp, path)
+            with self._lock:  # a file is on disk only while indexed (check_invariants)
+                os.replace(tmp, path)
+                self._index[block_hash] = None
         except OSError as e:
             self._discard(tmp)
             self.stats.store_failures += 1
@@ -187,17 +190,13 @@ class DiskBlockStore:
                 logger.warning("disk tier: write of a block failed (%s); %d writes dropped "
                                "so far", e, self.stats.store_failures)
             return False
-        evicted: list[BlockHash] = []
         with self._lock:
-            self._index[block_hash] = None
             self.stats.stores += 1
             while len(self._index) > self.capacity_blocks:
                 old, _ = self._index.popitem(last=False)
-                evicted.append(old)
-            self.stats.evictions += len(evicted)
-            self._removed.extend(evicted)
-        for old in evicted:
-            self._discard(self._path(old))
+                self._discard(self._path(old))
+                self._removed.append(old)
+                self.stats.evictions += 1
         return True
 
     # -- reads ------------------------------------------------------------------------------
@@ -227,7 +226,7 @@ class DiskBlockStore:
                 if block_hash in self._index:
                     del self._index[block_hash]
                     self._removed.append(block_hash)
-            self._discard(path)
+                self._discard(path)
             return False
         self.stats.loads += 1
         try:
@@ -249,6 +248,27 @@ class DiskBlockStore:
         if xxhash.xxh3_64_intdigest(payload) != checksum:
             return "failed its checksum"
         return ""
+
+    def check_invariants(self) -> None:
+        """Every block file is indexed (none leaked: partial writes leave none), and the
+        index is within the capacity. Indexed blocks whose file vanished are not a leak (a
+        read answers them as a miss). O(files).
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        with self._lock:
+            indexed = self._index
+            assert len(indexed) <= self.capacity_blocks, \
+                f"disk tier holds {len(indexed)} blocks, capacity {self.capacity_blocks}"
+            for sub in (os.scandir(self.root) if os.path.isdir(self.root) else ()):
+                for entry in (os.scandir(sub.path) if sub.is_dir() else ()):
+                    name = entry.name
+                    if name.endswith(".tmp"):
+                        continue  # a write in flight
+                    assert name.endswith(SUFFIX) and \
+                        bytes.fromhex(name[:-len(SUFFIX)]) in indexed, \
+                        f"disk tier file {entry.path} is not indexed (leaked)"
 
     # -- files ------------------------------------------------------------------------------
 

@@ -1,0 +1,72 @@
+"""The KV tiers' Prometheus metrics (`pdserve_kv_tier_*`), per tier: "memory" (the pool's
+cached blocks) and "disk" (`--kv-offload-dir`, shared/engine/kv_offload.py).
+
+    pdserve_kv_tier_blocks{tier}            blocks held now
+    pdserve_kv_tier_bytes{tier}             their bytes
+    pdserve_kv_tier_queries_total{tier}     blocks looked up at admission (disk: those past
+                                            the pool's hits)
+    pdserve_kv_tier_hits_total{tier}        of those, found          (hit rate = hits / queries)
+    pdserve_kv_tier_stores_total{tier}      blocks written to the tier (disk)
+    pdserve_kv_tier_loads_total{tier}       blocks read back from it (disk)
+    pdserve_kv_tier_failures_total{tier, op}  writes dropped (full disk, no directory, writer
+                                            behind) and reads found bad (corrupt, truncated,
+                                            missing): each recomputed, never served
+    pdserve_kv_tier_evictions_total{tier}   blocks dropped to stay within --kv-offload-size
+    pdserve_kv_tier_load_seconds            one load (a request's run of disk blocks)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.shared.engine.kv_offload import TierSnapshot
+
+_LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class TierMetrics:
+    """Raises the `pdserve_kv_tier_*` series to an engine's snapshots (`update`)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        labels = ["model_name", "tier"]
+        self._model = model_name
+        self._blocks = Gauge("pdserve_kv_tier_blocks", "KV blocks held, by tier.", labels,
+                             registry=registry)
+        self._bytes = Gauge("pdserve_kv_tier_bytes", "Bytes of the KV blocks held, by tier.",
+                            labels, registry=registry)
+        self._counters = {name: Counter(f"pdserve_kv_tier_{name}", doc, labels,
+                                        registry=registry)
+                          for name, doc in (
+                              ("queries", "Blocks looked up in the tier at admission."),
+                              ("hits", "Blocks found in the tier at admission."),
+                              ("stores", "Blocks written to the tier."),
+                              ("loads", "Blocks read back from the tier."),
+                              ("evictions", "Blocks the tier dropped to stay in its size."))}
+        self._failures = Counter("pdserve_kv_tier_failures", "Tier writes dropped and reads "
+                                 "found bad (recomputed, never served), by operation.",
+                                 [*labels, "op"], registry=registry)
+        self._load_seconds = Histogram("pdserve_kv_tier_load_seconds", "Duration of one load "
+                                       "from the disk tier (a request's run of blocks).",
+                                       ["model_name"], buckets=_LOAD_BUCKETS,
+                                       registry=registry)
+        self._seen: dict[tuple[str, ...], int] = {}
+
+    def _inc_to(self, counter: Counter, total: int, *labels: str) -> None:
+        key = (counter._name, *labels)
+        if total > (seen := self._seen.get(key, 0)):
+            counter.labels(self._model, *labels).inc(total - seen)
+            self._seen[key] = total
+
+    def update(self, s: TierSnapshot) -> None:
+        for tier in ("memory", "disk"):
+            self._blocks.labels(self._model, tier).set(s.blocks[tier])
+            self._bytes.labels(self._model, tier).set(s.bytes[tier])
+            self._inc_to(self._counters["queries"], s.queries[tier], tier)
+            self._inc_to(self._counters["hits"], s.hits[tier], tier)
+        for name, total in (("stores", s.stores), ("loads", s.loads),
+                            ("evictions", s.evictions)):
+            self._inc_to(self._counters[name], total, "disk")
+        self._inc_to(self._failures, s.store_failures + s.writes_dropped, "disk", "store")
+        self._inc_to(self._failures, s.load_failures, "disk", "load")
+        for seconds in s.load_seconds:
+            self._load_seconds.labels(self._model).observe(seconds)
