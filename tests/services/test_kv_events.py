@@ -165,3 +165,10 @@ def test_busy_endpoint_raises():
                                                                                "*")))
     finally:
         first.shutdown()
+
+
+def test_serve_refuses_a_bad_config_before_loading(capsys):
+    from pdserve.services.cli import main
+
+    assert main(["serve", "prefill", "--kv-events-config", '{"topik": "kv"}']) == 2
+    assert "--kv-events-config: unknown key(s) ['topik']" in capsys.readouterr().out

@@ -112,3 +112,20 @@ async def test_hash_set_from_events_equals_the_engines(model_path):
     finally:
         ctx.destroy(linger=0)
         await cluster.close()
+
+
+async def test_a_busy_endpoint_fails_the_start_in_one_line(model_path):
+    from pdserve.services.common.kv_events import KVEventPublisher, KVEventsConfig
+    from tests.services.helpers import engine_args, service_config, start_runtime
+
+    holder = KVEventPublisher(KVEventsConfig(True, "zmq", "tcp://*:0"))
+    busy = holder.endpoint.replace("0.0.0.0", "*")
+    runtime = await start_runtime(service_config("prefill", None), engine_args(
+        model_path, kv_events_config={"enable_kv_cache_events": True, "endpoint": busy}))
+    try:
+        with pytest.raises(RuntimeError, match="--kv-events-config: cannot use tcp://"):
+            await runtime.wait_ready(300)
+        assert runtime.startup_error.count("\n") == 0
+    finally:
+        await runtime.stop(0.5)
+        holder.shutdown()
