@@ -125,6 +125,7 @@ def _add_service_commands(sub) -> None:
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from pdserve.services.common.config import config_from_args
+    from pdserve.services.common.kv_events import KVEventsConfig
     from pdserve.services.common.launch import build_runtime
     from pdserve.shared.config import ParallelConfig
     from pdserve.shared.engine.engine_core import apply_cpu_placement
@@ -141,6 +142,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         if role == "decode":
             engine_args.create_speculative_config()  # a bad key: one line and exit 2
         engine_args.create_lora_config()  # --max-loras ... out of range: exit 2
+        KVEventsConfig.from_value(engine_args.kv_events_config)  # a bad key: exit 2
         if resolve_runner(engine_args.runner, engine_args.convert) == "pooling":
             if role == "decode":
                 raise ValueError("--runner pooling: a pooling model runs on prefill instances "

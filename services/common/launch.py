@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from pdserve.services.common.config import Role, ServiceConfig
+from pdserve.services.common.kv_events import KVEventsConfig
 from pdserve.services.common.server import LoadEngine, ServiceRuntime
 from pdserve.shared.engine.engine_core import EngineCore
 from pdserve.shared.engine_args import EngineArgs
@@ -35,7 +36,13 @@ def engine_loader(engine_args: EngineArgs, role: Role) -> LoadEngine:
 
 def build_runtime(config: ServiceConfig, engine_args: EngineArgs | None = None,
                   load_engine: LoadEngine | None = None) -> ServiceRuntime:
-    """A runtime for `config.role`; pass `load_engine` to replace the default loader."""
+    """A runtime for `config.role`; pass `load_engine` to replace the default loader.
+
+    Raises:
+        ValueError: a bad --kv-events-config (one line).
+    """
+    kv_events_config = KVEventsConfig.from_value(engine_args.kv_events_config) \
+        if engine_args is not None else None
     if load_engine is None:
         assert engine_args is not None, "engine_args or load_engine"
         load_engine = engine_loader(engine_args, config.role)
@@ -45,4 +52,5 @@ def build_runtime(config: ServiceConfig, engine_args: EngineArgs | None = None,
     else:
         from pdserve.services.decode.servicer import add_decode_servicer as add_servicer
         from pdserve.services.decode.worker import DecodeWorker as Worker
-    return ServiceRuntime(config, load_engine, Worker, add_servicer, SERVICE_NAMES[config.role])
+    return ServiceRuntime(config, load_engine, Worker, add_servicer, SERVICE_NAMES[config.role],
+                          kv_events_config)

@@ -9,6 +9,10 @@
     heartbeat (heartbeat_interval)  refreshes the registration; a new one (Redis restarted,
                                     TTL lapsed) or no answer makes the index dirty
 
+Every drained event also goes, as drained, to the KV events publisher when
+`--kv-events-config` asks for one (services/common/kv_events.py): Redis or not, the ZMQ
+stream sees every event once, in order.
+
 Nothing here waits on Redis in the engine's or a request's path: the tick hands its changes
 to the writer and returns, and a Redis that is slow or gone costs dropped writes (counted in
 `pdserve_prefix_index_writes_dropped_total`), never a step. Dropped changes (overflow, or a
@@ -30,6 +34,7 @@ import asyncio
 import dataclasses
 import logging
 
+from pdserve.services.common.kv_events import KVEventPublisher
 from pdserve.services.common.lora import lora_stats_op
 from pdserve.services.common.metrics import EngineStats
 from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
@@ -56,9 +61,11 @@ def net_changes(events: list[KVCacheEvent]) -> tuple[list[bytes], list[bytes]]:
 
 class InstanceMonitor:
     def __init__(self, worker: EngineWorker, index: PrefixIndex | None,
-                 metrics_address: str = "") -> None:
-        """`metrics_address`: host:port of the instance's /metrics, registered with it."""
+                 metrics_address: str = "", kv_events: KVEventPublisher | None = None) -> None:
+        """`metrics_address`: host:port of the instance's /metrics, registered with it;
+        `kv_events`: where every drained event batch is also published (None: nowhere)."""
         self.worker = worker
+        self.kv_events = kv_events
         self.index = index
         self.metrics_address = metrics_address
         self.config = worker.config
@@ -140,6 +147,8 @@ class InstanceMonitor:
                 self.worker.metrics.lora_info(*lora)
             self.worker.metrics.prompt_tokens_after_abort(after_abort)
             self.worker.metrics.slo_ttft_unreachable(*unreachable)
+            if self.kv_events is not None:
+                self.kv_events.publish(events)
             if self.index is None or self._left:
                 return
             self._queue(events)
@@ -220,7 +229,9 @@ class InstanceMonitor:
         if await self.index.register(self.info()) is None:
             return
         async with self._lock:  # no tick between the snapshot and the pending changes
-            hashes = await self.worker.engine.call(snapshot_hashes_op)
+            hashes, events = await self.worker.engine.call(snapshot_hashes_op)
+            if self.kv_events is not None:
+                self.kv_events.publish(events)
             self._pending = {}
             self.dirty = False
         if await self.index.republish(instance_id, hashes):
@@ -230,8 +241,9 @@ class InstanceMonitor:
             self.dirty = True
 
 
-def snapshot_hashes_op(engine) -> list[bytes]:
-    """Every hash cached in the pool; drops the pending events (the snapshot covers them)."""
+def snapshot_hashes_op(engine) -> tuple[list[bytes], list[KVCacheEvent]]:
+    """Every hash cached in the pool, and the pending events it drains: the snapshot covers
+    them for Redis, the KV events publisher still sends them."""
     kv = engine.kv_cache_manager
-    kv.take_events()
-    return list(kv.block_pool.cached_block_hash_to_block)
+    events = kv.take_events()
+    return list(kv.block_pool.cached_block_hash_to_block), events

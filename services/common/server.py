@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import zmq
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 from grpc_health.v1.health_pb2_grpc import add_HealthServicer_to_server
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from pdserve.services.common.auth import TokenAuthInterceptor
 from pdserve.services.common.config import ServiceConfig
 from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.kv_events import KVEventPublisher, KVEventsConfig
 from pdserve.services.common.metrics import ServiceMetrics
 from pdserve.services.common.monitor import InstanceMonitor
 from pdserve.services.common.prefix_index import PrefixIndex
@@ -65,8 +67,12 @@ class Phase(enum.Enum):
 
 class ServiceRuntime:
     def __init__(self, config: ServiceConfig, load_engine: LoadEngine, make_worker: MakeWorker,
-                 add_servicer: AddServicer, service_name: str) -> None:
+                 add_servicer: AddServicer, service_name: str,
+                 kv_events_config: KVEventsConfig | None = None) -> None:
+        """`kv_events_config`: the parsed --kv-events-config (None: no KV events out)."""
         self.config = config
+        self.kv_events_config = kv_events_config
+        self.kv_events: KVEventPublisher | None = None
         self.service_name = service_name
         self._load_engine = load_engine
         self._make_worker = make_worker
@@ -151,7 +157,9 @@ class ServiceRuntime:
         if self.metrics_port is not None:
             host = self.identity.address.rsplit(":", 1)[0]
             metrics_address = f"{host}:{self.metrics_port}"
-        self.monitor = InstanceMonitor(self.worker, self.index, metrics_address)
+        if not self._start_kv_events():
+            return
+        self.monitor = InstanceMonitor(self.worker, self.index, metrics_address, self.kv_events)
         self.monitor.start()
         self.worker.on_lora_change = self.monitor.heartbeat  # gateways see it at once
         # NOTE: also with --stall-timeout 0: it turns NOT_SERVING on failing steps too.
@@ -180,6 +188,22 @@ class ServiceRuntime:
                 return False
             logger.info("LoRA adapter %s (id %d) loaded from %s", lora.lora_name,
                         lora.lora_int_id, lora.lora_path)
+        return True
+
+    def _start_kv_events(self) -> bool:
+        """Bind the KV events publisher when asked; an endpoint that cannot be bound fails
+        the start (exit 2, its one-line reason in `startup_error`)."""
+        config = self.kv_events_config
+        if config is None or not config.is_publishing:
+            return True
+        try:
+            self.kv_events = KVEventPublisher(config)
+        except zmq.ZMQError as e:
+            self.startup_error = f"--kv-events-config: cannot use {config.endpoint}: {e}"
+            logger.error("%s", self.startup_error)
+            self.phase = Phase.FAILED
+            self._loaded.set()
+            return False
         return True
 
     async def wait_ready(self, timeout: float | None = None) -> EngineWorker:
@@ -238,6 +262,9 @@ class ServiceRuntime:
             await self.watchdog.stop()
         if self.monitor is not None:
             await self._bounded("registry monitor stop", self.monitor.stop(), 5)
+        if self.kv_events is not None:
+            await self._bounded("KV events publisher stop",
+                                asyncio.to_thread(self.kv_events.shutdown), 5)
         if worker is not None:
             await self._bounded("worker close", worker.close(), self.config.rpc_timeout + 5)
             await self._bounded("engine shutdown", asyncio.to_thread(worker.engine.shutdown), 10)

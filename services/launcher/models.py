@@ -87,7 +87,8 @@ def add_models(plan: Plan, config, models: list[tuple[str, str]],
                                prefill_metrics_port=None, decode_metrics_port=None)
     for path, name in models:
         for _ in range(5):  # free_ports of two plans may pick one port twice: pick again
-            engines = [s for s in build_plan(base, path, name, python).children
+            engines = [s for s in build_plan(base, path, name, python,
+                                             first_engine_rank=sum(counts.values())).children
                        if s.name != "gateway"]
             if not used & {p for s in engines for p in s.ports}:
                 break

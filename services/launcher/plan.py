@@ -4,6 +4,9 @@ Pure: given the config, the resolved model and the ports, it starts nothing, so 
 check the command lines directly.
 
     start order:     redis ─▶ prefill-0.. , decode-0.. , gateway   (all at once once Redis is up)
+    KV events:       engine k (prefill-0.. then decode-0.., k from 0) publishes on the
+                     --kv-events-config endpoint's port + k (replay endpoint likewise), as
+                     vLLM offsets per data-parallel rank: one host, one port per engine
     shutdown stage:  0 gateway (stop taking requests, finish in-flight ones)
                      1 prefill and decode replicas (drain)
                      2 redis
@@ -19,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from pdserve.services.common.kv_events import KVEventsConfig, offset_endpoint_port
 from pdserve.services.launcher.config import UpConfig
 from pdserve.services.launcher.cores import (
     Cores,
@@ -132,13 +136,31 @@ def _tier_of(args: EngineArgs, role: str, i: int) -> EngineArgs:
     return dataclasses.replace(args, kv_offload_dir=os.path.join(root, f"{role}-{i}"))
 
 
+def kv_events_flags(value: str | dict | None, rank: int) -> list[str]:
+    """--kv-events-config for the `rank`-th engine on the host: the endpoints' ports offset
+    by `rank` (services/common/kv_events.py `offset_endpoint_port`); [] without a config.
+
+    Raises:
+        ValueError: a bad config (one line).
+    """
+    config = KVEventsConfig.from_value(value)
+    if config is None:
+        return []
+    config = dataclasses.replace(
+        config, endpoint=offset_endpoint_port(config.endpoint, rank),
+        replay_endpoint=offset_endpoint_port(config.replay_endpoint, rank))
+    return ["--kv-events-config", config.to_json()]
+
+
 def _ports(base: int | None, n: int, picked: Iterator[int]) -> list[int]:
     return [base + i for i in range(n)] if base is not None else [next(picked) for _ in range(n)]
 
 
 def build_plan(config: UpConfig, model_path: str, served_model_name: str,
-               python: str = sys.executable) -> Plan:
-    """The children for `config`; internal ports not given are picked free now."""
+               python: str = sys.executable, first_engine_rank: int = 0) -> Plan:
+    """The children for `config`; internal ports not given are picked free now.
+    `first_engine_rank`: the KV events port offset of the first engine (engines of other
+    models on the host come first)."""
     # NOTE: a pooling model (--runner pooling / --convert embed) runs on the prefill
     # instances only: no decode replica, the gateway serves the pooling routes.
     pooling = resolve_runner(config.engine_args.runner, config.engine_args.convert) == "pooling"
@@ -178,7 +200,8 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                             config.decode_cpu_cores or ())
     args = dataclasses.replace(config.engine_args, model=model_path,
                                served_model_name=served_model_name, cpu_cores="",
-                               core_share=share_path)
+                               core_share=share_path, kv_events_config=None)
+    rank = first_engine_rank
     grace = max(1.0, config.shutdown_timeout - 5.0)
     addresses: dict[str, list[str]] = {"prefill": [], "decode": []}
     # NOTE: secrets go by environment, not argv, where `ps` would show them.
@@ -195,7 +218,9 @@ def build_plan(config: UpConfig, model_path: str, served_model_name: str,
                     "serve", role,
                     "--host", "127.0.0.1", "--port", str(port),
                     "--metrics-port", str(metrics_port), "--redis-url", redis_url,
-                    "--grace-period", f"{grace:g}", *engine_flags(_tier_of(args, role, i))]
+                    "--grace-period", f"{grace:g}", *engine_flags(_tier_of(args, role, i)),
+                    *kv_events_flags(config.engine_args.kv_events_config, rank)]
+            rank += 1
             if cores[i]:
                 argv += ["--cpu-cores", format_cores(cores[i])]
             if config.lora_modules:

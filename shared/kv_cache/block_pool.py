@@ -15,9 +15,12 @@ state_feed.py): a live block map then costs O(changed blocks) per frame, not O(p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pdserve.shared.kv_cache.prefix_hash import BlockHash
+
+if TYPE_CHECKING:
+    from pdserve.shared.request import Request
 
 MEDIUM_MEMORY = "GPU"
 """The medium of the engine's own pool in KV events: vLLM's `MEDIUM_GPU`, which vLLM's CPU
@@ -27,21 +30,40 @@ MEDIUM_DISK = "STORAGE"
 
 
 class BlockStored(NamedTuple):
-    """Blocks with these hashes became cached in this pool."""
+    """Blocks with these hashes became cached in this pool: vLLM's `BlockStored` fields.
+
+    `block_hashes` are consecutive blocks of one request (a chain): `token_ids` holds
+    exactly their tokens, `block_size` per block, and `parent_block_hash` is the hash of
+    the block before the first (None: the first is the request's first block).
+    """
 
     block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None = None
+    token_ids: Sequence[int] = ()
+    """len(block_hashes) * block_size token ids; () when the pool was not given them."""
+    block_size: int = 0
+    lora_id: int | None = None
+    """The request's LoRA adapter id (`lora_int_id`); None: the base model."""
+    medium: str = MEDIUM_MEMORY
+    lora_name: str | None = None
 
 
 class BlockRemoved(NamedTuple):
-    """Blocks with these hashes were evicted from this pool."""
+    """Blocks with these hashes were evicted from this pool (`medium`)."""
 
     block_hashes: list[BlockHash]
+    medium: str = MEDIUM_MEMORY
 
 
 class AllBlocksCleared(NamedTuple):
-    """The whole prefix cache was dropped (`block_hashes`: every hash it held)."""
+    """The whole prefix cache of `medium` was dropped.
+
+    `block_hashes` (every hash it held) is for in-process consumers (the Redis index's
+    net changes); vLLM's wire event carries no fields, so the publisher leaves it off.
+    """
 
     block_hashes: list[BlockHash]
+    medium: str = MEDIUM_MEMORY
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -183,7 +205,7 @@ class BlockPool:
         if evicted and self.on_evict is not None:
             self.on_evict(evicted_ids, evicted)
         if evicted and self.enable_kv_cache_events:
-            self._events.append(BlockRemoved(evicted))
+            self._events.append(BlockRemoved(evicted, MEDIUM_MEMORY))
         if self._changed is not None:
             self._changed.update(block.block_id for block in blocks)
         return blocks
@@ -219,7 +241,8 @@ class BlockPool:
                 changed.add(block.block_id)
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+                          num_cached_blocks: int, num_full_blocks: int,
+                          request: Request | None = None, block_size: int = 0) -> None:
         """Make `blocks[num_cached_blocks:num_full_blocks]` findable by their hashes.
 
         Args:
@@ -227,13 +250,17 @@ class BlockPool:
             block_hashes: that request's chained block hashes, at least `num_full_blocks`.
             num_cached_blocks: leading blocks already handled by an earlier call.
             num_full_blocks: leading blocks that are now full.
+            request: the request the blocks belong to, with `block_size`: the events then
+                carry its token ids and LoRA adapter (read only while events are on).
 
         Blocks that already carry a hash (prefix-cache hits) and blocks whose hash another
-        block already holds are skipped (see the class NOTE).
+        block already holds are skipped (see the class NOTE). With events on, each run of
+        consecutive newly cached blocks is one `BlockStored`, so that its `token_ids` are
+        exactly those blocks' tokens.
         """
         if not self.enable_caching:
             return
-        stored: list[BlockHash] = []
+        stored: list[int] = []  # indices into `blocks` of the blocks cached now, ascending
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block is self.null_block:
@@ -243,11 +270,29 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
-            stored.append(block_hash)
+            stored.append(i)
             if self._changed is not None:
                 self._changed.add(block.block_id)
         if stored and self.enable_kv_cache_events:
-            self._events.append(BlockStored(stored))
+            self._record_stored(stored, block_hashes, request, block_size)
+
+    def _record_stored(self, stored: list[int], block_hashes: Sequence[BlockHash],
+                       request: Request | None, block_size: int) -> None:
+        """One `BlockStored` per run of consecutive indices in `stored`."""
+        lora = request.lora_request if request is not None else None
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k] == stored[k - 1] + 1:
+                continue
+            first, last = stored[start], stored[k - 1]
+            token_ids = request.token_slice(first * block_size, (last + 1) * block_size) \
+                if request is not None else ()
+            self._events.append(BlockStored(
+                [block_hashes[i] for i in range(first, last + 1)],
+                block_hashes[first - 1] if first > 0 else None, token_ids, block_size,
+                lora.lora_int_id if lora is not None else None, MEDIUM_MEMORY,
+                lora.lora_name if lora is not None else None))
+            start = k
 
     # -- queries ----------------------------------------------------------------------------
 

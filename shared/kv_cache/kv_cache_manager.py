@@ -186,7 +186,8 @@ class KVCacheManager:
                        len(request.block_hashes))
         if num_full <= num_cached:
             return
-        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full)
+        self.block_pool.cache_full_blocks(blocks, request.block_hashes, num_cached, num_full,
+                                          request, self.block_size)
         self.num_cached_block[request.request_id] = num_full
 
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:

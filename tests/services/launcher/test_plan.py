@@ -229,3 +229,27 @@ def test_avoid_pinned_cores_of_other_engines():
 def test_generation_config_reaches_the_gateway():
     assert _gateway_ns().generation_config == "auto"
     assert _gateway_ns("--generation-config", "vllm").generation_config == "vllm"
+
+
+def test_kv_events_endpoint_offset_per_engine():
+    """One host, one port per engine: vLLM's per-rank offset, prefill-0.. then decode-0.."""
+    from pdserve.services.common.kv_events import KVEventsConfig
+
+    config = _config("--num-prefill", "2", "--num-decode", "2", "--kv-events-config",
+                     '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+                     '"replay_endpoint": "tcp://*:5600", "topic": "kv"}')
+    engines = [c for c in build_plan(config, "/m", "m").children
+               if c.name.startswith(("prefill", "decode"))]
+    parsed = []
+    for spec in engines:
+        ns = build_parser().parse_args(list(spec.argv[spec.argv.index("serve"):]))
+        parsed.append(KVEventsConfig.from_value(ns.kv_events_config))
+    assert [c.name for c in engines] == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    assert [(c.endpoint, c.replay_endpoint) for c in parsed] == [
+        ("tcp://*:5557", "tcp://*:5600"), ("tcp://*:5558", "tcp://*:5601"),
+        ("tcp://*:5559", "tcp://*:5602"), ("tcp://*:5560", "tcp://*:5603")]
+    assert {(c.topic, c.publisher) for c in parsed} == {("kv", "zmq")}
+    assert all("--kv-events-config" not in c.argv
+               for c in build_plan(_config(), "/m", "m").children)
+    with pytest.raises(ValueError, match="--kv-events-config: unknown key"):
+        build_plan(_config("--kv-events-config", '{"endpont": "tcp://*:1"}'), "/m", "m")

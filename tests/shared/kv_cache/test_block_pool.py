@@ -141,7 +141,7 @@ def test_cache_touch_and_evict_lru():
     assert ids(new) == [4, 5, 3, 2]
     assert blocks[1].block_hash is None
     assert pool.get_cached_block(HASHES[1]) is None
-    assert pool.take_events() == [BlockRemoved([HASHES[1]])]
+    assert pool.take_events() == [BlockRemoved([HASHES[1]], "GPU")]
     assert pool.num_cached_blocks == 1
 
     pool.free_blocks([blocks[0]])
@@ -157,7 +157,9 @@ def test_cache_full_blocks_is_incremental_and_skips_hashed_blocks():
     pool.cache_full_blocks(blocks, HASHES, 0, 1)
     pool.cache_full_blocks(blocks, HASHES, 1, 3)
     pool.cache_full_blocks(blocks, HASHES, 3, 3)  # nothing new
-    assert pool.take_events() == [BlockStored([HASHES[0]]), BlockStored([HASHES[1], HASHES[2]])]
+    # The second event chains to the first: its parent is the block before it.
+    assert pool.take_events() == [BlockStored([HASHES[0]]),
+                                  BlockStored([HASHES[1], HASHES[2]], HASHES[0])]
     # A second request holding the hit block 1 then two fresh blocks.
     pool.touch([blocks[0]])
     other = [blocks[0]] + pool.get_new_blocks(2)
@@ -200,7 +202,7 @@ def test_reset_prefix_cache_only_when_idle():
     assert pool.reset_prefix_cache() is True
     assert pool.num_cached_blocks == 0
     assert [b.block_hash for b in blocks] == [None, None]
-    assert pool.take_events() == [AllBlocksCleared([HASHES[0], HASHES[1]])]
+    assert pool.take_events() == [AllBlocksCleared([HASHES[0], HASHES[1]], "GPU")]
     assert free_ids(pool) == [3, 4, 1, 2]
 
 

@@ -58,7 +58,7 @@ def test_prefix_hit_golden_ids_and_free_order():
     assert [b.block_id for b in new] == [1, 2, 3, 4]
     assert manager.get_block_ids("a") == [1, 2, 3, 4]
     assert manager.block_pool.num_cached_blocks == 3  # the partial 4th block is not
-    assert manager.take_events() == [BlockStored(a.block_hashes)]
+    assert manager.take_events() == [BlockStored(a.block_hashes, None, common, BS)]
 
     b = make_request("b", common + [700 + i for i in range(5)])  # 53 tokens
     hits, num_hit = manager.get_computed_blocks(b)
