@@ -39,24 +39,13 @@ from pdserve.services.common.lora import lora_stats_op
 from pdserve.services.common.metrics import EngineStats
 from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
 from pdserve.services.common.worker import EngineWorker, stats_op, tier_snapshot_op
-from pdserve.shared.kv_cache.block_pool import BlockStored, KVCacheEvent
+from pdserve.shared.kv_cache.block_pool import KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_HASHES = 65536
 """Block-hash changes waiting for Redis, at most: past it they are dropped (and counted) and
 the next write republishes the whole hash map instead."""
-
-
-def net_changes(events: list[KVCacheEvent]) -> tuple[list[bytes], list[bytes]]:
-    """(added, removed): each hash's state after the last event that names it."""
-    state: dict[bytes, bool] = {}
-    for event in events:
-        stored = isinstance(event, BlockStored)
-        for block_hash in event.block_hashes:
-            state[block_hash] = stored
-    return ([h for h, held in state.items() if held],
-            [h for h, held in state.items() if not held])
 
 
 class InstanceMonitor:
@@ -136,7 +125,7 @@ class InstanceMonitor:
         async with self._lock:
             events, self.stats, after_abort, unreachable, lora, tiers = \
                 await self.worker.engine.call(
-                    lambda e: (e.kv_cache_manager.take_events(), stats_op(e),
+                    lambda e: (take_kv_events_op(e), stats_op(e),
                                e.num_prompt_tokens_after_abort,
                                (e.num_ttft_unreachable, e.num_ttft_rejected), lora_stats_op(e),
                                tier_snapshot_op(e)))
@@ -147,17 +136,17 @@ class InstanceMonitor:
                 self.worker.metrics.lora_info(*lora)
             self.worker.metrics.prompt_tokens_after_abort(after_abort)
             self.worker.metrics.slo_ttft_unreachable(*unreachable)
+            events, held = events
             if self.kv_events is not None:
                 self.kv_events.publish(events)
             if self.index is None or self._left:
                 return
-            self._queue(events)
+            self._queue(held)
 
-    def _queue(self, events: list[KVCacheEvent]) -> None:
+    def _queue(self, held: dict[bytes, bool]) -> None:
+        """Queue each changed hash's state now (held in any tier of this instance)."""
         if not self.dirty:  # else the resync's snapshot covers these events
-            added, removed = net_changes(events)
-            self._pending.update(dict.fromkeys(added, True))
-            self._pending.update(dict.fromkeys(removed, False))
+            self._pending.update(held)
             if len(self._pending) > MAX_PENDING_HASHES:
                 self._drop(len(self._pending), "Redis is slow")
         if self.dirty or self._pending:
@@ -241,9 +230,24 @@ class InstanceMonitor:
             self.dirty = True
 
 
-def snapshot_hashes_op(engine) -> tuple[list[bytes], list[KVCacheEvent]]:
-    """Every hash cached in the pool, and the pending events it drains: the snapshot covers
-    them for Redis, the KV events publisher still sends them."""
-    kv = engine.kv_cache_manager
+def take_kv_events_op(engine) -> tuple[list[KVCacheEvent], dict[bytes, bool]]:
+    """The pool's KV events, then the disk tier's, since the last drain; and for each hash
+    they name, whether this instance holds it now in any tier (what the Redis index
+    records: a block moved from the pool to disk is still this instance's)."""
+    kv, off = engine.kv_cache_manager, engine.kv_offloader
     events = kv.take_events()
-    return list(kv.block_pool.cached_block_hash_to_block), events
+    if off is not None:
+        events += off.take_events()
+    cached = kv.block_pool.cached_block_hash_to_block
+    disk = off.store if off is not None else ()
+    return events, {h: h in cached or h in disk for e in events for h in e.block_hashes}
+
+
+def snapshot_hashes_op(engine) -> tuple[list[bytes], list[KVCacheEvent]]:
+    """Every hash this instance holds (pool and disk tier), and the pending events it
+    drains: the snapshot covers them for Redis, the KV events publisher still sends them."""
+    events, _ = take_kv_events_op(engine)
+    hashes = list(engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
+    if engine.kv_offloader is not None:
+        hashes = list(dict.fromkeys(hashes + engine.kv_offloader.store.hashes()))
+    return hashes, events

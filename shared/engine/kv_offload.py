@@ -24,6 +24,7 @@ keep evicted or finished blocks in a slower tier the same way; this is pdserve's
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -34,6 +35,12 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.shared.kv_cache.block_pool import (
+    MEDIUM_DISK,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from pdserve.shared.kv_cache.disk_store import DiskBlockStore, kv_identity
 from pdserve.shared.kv_cache.prefix_hash import BlockHash
 
@@ -169,6 +176,18 @@ class KVOffloader:
         with self._lock:
             out, self.stats.load_seconds = self.stats.load_seconds, []
         return out
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The disk tier's changes since the last call as KV events (medium `MEDIUM_DISK`),
+        in order: a run of blocks written is one BlockStored, a run dropped one
+        BlockRemoved. Stored blocks carry no token ids (the pool's event had them)."""
+        events: list[KVCacheEvent] = []
+        for stored, run in itertools.groupby(self.store.take_changes(), key=lambda c: c[1]):
+            hashes = [h for h, _ in run]
+            events.append(BlockStored(hashes, block_size=self.block_shape[2],
+                                      medium=MEDIUM_DISK) if stored
+                          else BlockRemoved(hashes, medium=MEDIUM_DISK))
+        return events
 
     def snapshot(self, pool_cached_blocks: int) -> TierSnapshot:
         """The tiers' gauges and counters now (engine thread); the load durations since the

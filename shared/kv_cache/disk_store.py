@@ -103,8 +103,9 @@ class DiskBlockStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[BlockHash, None] = OrderedDict()
         """Blocks on disk, least recently used first."""
-        self._removed: list[BlockHash] = []
-        """Hashes dropped since the last `take_removed` (evicted or found bad)."""
+        self._changes: list[tuple[BlockHash, bool]] = []
+        """(hash, stored) in the order the index changed since the last `take_changes`:
+        True written (or found at start), False dropped (evicted, or found bad)."""
         os.makedirs(self.root, exist_ok=True)
         self._reindex()
 
@@ -136,11 +137,12 @@ class DiskBlockStore:
         with self._lock:
             return list(self._index)
 
-    def take_removed(self) -> list[BlockHash]:
-        """The hashes dropped since the last call (evicted, or found missing or corrupt)."""
+    def take_changes(self) -> list[tuple[BlockHash, bool]]:
+        """(hash, stored) for each change of the index since the last call, in order: True
+        a block written (or found at start), False one dropped (evicted, missing, bad)."""
         with self._lock:
-            removed, self._removed = self._removed, []
-        return removed
+            changes, self._changes = self._changes, []
+        return changes
 
     # -- writes -----------------------------------------------------------------------------
 
@@ -183,6 +185,7 @@ class DiskBlockStore:
             with self._lock:  # a file is on disk only while indexed (check_invariants)
                 os.replace(tmp, path)
                 self._index[block_hash] = None
+                self._changes.append((block_hash, True))
         except OSError as e:
             self._discard(tmp)
             self.stats.store_failures += 1
@@ -195,7 +198,7 @@ class DiskBlockStore:
             while len(self._index) > self.capacity_blocks:
                 old, _ = self._index.popitem(last=False)
                 self._discard(self._path(old))
-                self._removed.append(old)
+                self._changes.append((old, False))
                 self.stats.evictions += 1
         return True
 
@@ -225,7 +228,7 @@ class DiskBlockStore:
             with self._lock:
                 if block_hash in self._index:
                     del self._index[block_hash]
-                    self._removed.append(block_hash)
+                    self._changes.append((block_hash, False))
                 self._discard(path)
             return False
         self.stats.loads += 1
@@ -310,6 +313,7 @@ class DiskBlockStore:
         for _, block_hash in found[:drop]:
             self._discard(self._path(block_hash))
         self._index.update((h, None) for _, h in found[drop:])
+        self._changes.extend((h, True) for h in self._index)
         if self._index:
             logger.info("disk tier: %d blocks (%.1f MiB) found in %s", len(self._index),
                         self.num_bytes / 2**20, self.root)

@@ -9,9 +9,7 @@ import uuid
 
 import pytest_asyncio
 
-from pdserve.services.common.monitor import net_changes
 from pdserve.services.common.prefix_index import InstanceInfo, PrefixIndex
-from pdserve.shared.kv_cache.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.services.helpers import free_port
 
 H = [bytes([i]) * 16 for i in range(8)]
@@ -97,13 +95,6 @@ async def test_unreachable_redis_answers_at_once_and_logs_once(caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "unreachable" in warnings[0].getMessage()
     await idx.close()
-
-
-def test_net_changes_keeps_the_last_event_per_hash():
-    events = [BlockStored([H[0], H[1]]), BlockRemoved([H[0]]), BlockStored([H[2]]),
-              AllBlocksCleared([H[1], H[2]]), BlockStored([H[1]])]
-    added, removed = net_changes(events)
-    assert added == [H[1]] and sorted(removed) == [H[0], H[2]]
 
 
 def test_instance_info_json_round_trip():
