@@ -61,11 +61,19 @@ class OffloadStats:
     disk_queries: int = 0
     """Blocks looked up on disk: those past the pool's hits."""
     disk_hits: int = 0
-    """Blocks found on disk at admission (a load started)."""
+    """Blocks found on disk at admission, past the pool's hits."""
     writes_dropped: int = 0
     """Evicted blocks not kept because the writer was behind."""
     load_seconds: list[float] = field(default_factory=list)
     """Durations of finished loads since the last `take_load_seconds` (seconds)."""
+
+    def count_lookup(self, max_blocks: int, num_pool_hits: int, num_disk_hits: int) -> None:
+        """One request's first lookup: `max_blocks` full blocks it could hit, found
+        `num_pool_hits` in the pool, then `num_disk_hits` on disk."""
+        self.memory_queries += max_blocks
+        self.memory_hits += num_pool_hits
+        self.disk_queries += max_blocks - num_pool_hits
+        self.disk_hits += num_disk_hits
 
 
 class TierSnapshot(NamedTuple):

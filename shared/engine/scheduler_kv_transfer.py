@@ -51,6 +51,8 @@ class KVTransferTracker:
         """request_id -> (request, pool-hit blocks, blocks being loaded from disk)."""
         self.aborted_loading: set[str] = set()
         """Requests aborted while a load writes their blocks (freed once it ends)."""
+        self._looked_up: set[str] = set()
+        """Unfinished requests whose tier lookup is counted (`OffloadStats.count_lookup`)."""
         self.finished_sending: dict[str, Request] = {}
         """Finished requests whose blocks the connector holds for a send, by id."""
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -110,18 +112,16 @@ class KVTransferTracker:
         off, kv = self.offloader, self.kv_cache_manager
         if off is None:
             return False
-        stats = off.stats
         num_hits = len(hits)
         max_blocks = min((request.num_tokens - 1) // kv.block_size, len(request.block_hashes))
-        stats.memory_queries += max_blocks
-        stats.memory_hits += num_hits
-        stats.disk_queries += max_blocks - num_hits
         num_load = off.store.count_prefix(request.block_hashes, num_hits, max_blocks)
+        if request.request_id not in self._looked_up:  # once per request, not per try
+            self._looked_up.add(request.request_id)
+            off.stats.count_lookup(max_blocks, num_hits, num_load)
         if num_load == 0 or kv.allocate_slots(request, num_load * kv.block_size, hits,
                                               num_hits * kv.block_size,
                                               delay_cache_blocks=True) is None:
             return False
-        stats.disk_hits += num_load
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.loading[request.request_id] = (request, num_hits, num_load)
         off.load(request.request_id, request.block_hashes[num_hits:num_hits + num_load],
@@ -153,6 +153,7 @@ class KVTransferTracker:
         writing an aborted request's holds them until it ends."""
         kv = self.kv_cache_manager
         request_id = request.request_id
+        self._looked_up.discard(request_id)
         if request_id in self.loading:
             self.aborted_loading.add(request_id)
             return
