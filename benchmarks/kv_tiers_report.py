@@ -58,6 +58,9 @@ def cache_stats(before: dict, after: dict) -> dict:
         t["bytes"] = metric_sum(after, "pdserve_kv_tier_bytes", tier)
         if any(v is not None for v in t.values()):
             out[tier] = t
+    for name in ("pdserve_num_preemptions_total", "vllm:num_preemptions_total"):
+        if (preemptions := _delta(before, after, name)) is not None:
+            out["preemptions"] = preemptions
     count = _delta(before, after, "pdserve_kv_tier_load_seconds_count")
     if count:
         out["load_seconds_mean"] = _ratio(_delta(before, after,

@@ -65,8 +65,11 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     probe = "One more question: " + word_salad(rng, cfg.user_tokens[0])
     warm_rng = random.Random(cfg.seed - 1)
     warm_system = "You are a terse assistant. " + word_salad(warm_rng, 40)
+    # NOTE: the second warm-up prompt is as long as a first turn, so the first measured
+    # prefill of that size pays no one-off cost.
     warmup = tuple([{"role": "system", "content": warm_system},
-                    {"role": "user", "content": word_salad(warm_rng, 30)}] for _ in range(2))
+                    {"role": "user", "content": word_salad(warm_rng, n)}]
+                   for n in (30, cfg.system_tokens + cfg.user_tokens[1]))
     return Workload(system, users, probe, warmup)
 
 
