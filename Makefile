@@ -9,7 +9,7 @@ LOCK := requirements.lock
 # make install TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 TORCH_INDEX_URL ?=
 
-.PHONY: install test lint convert up compose-smoke bench-engine proto clean lock check-latest
+.PHONY: install test lint convert up compose-smoke bench-engine bench-kv-tiers proto clean lock check-latest
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,10 @@ compose-smoke:
 
 bench-engine:
 	$(VPY) benchmarks/engine_throughput.py
+
+# KV cache tiers (issue 30), docs/benchmarks.md: make bench-kv-tiers ARGS="--vllm-venv /tmp/vllmenv"
+bench-kv-tiers:
+	$(VPY) benchmarks/kv_tiers.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build
