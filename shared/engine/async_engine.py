@@ -334,6 +334,10 @@ class AsyncEngine:
         """Drop every request the engine holds (blocks freed); their streams raise."""
         ids = [r.request_id for r in
                self.engine_core.abort_requests(list(self.engine_core.scheduler.requests))]
+        # NOTE: blocks are cached when allocated, before the step writes them: the failed
+        # step's may hold no KV. Dropped, when no transfer holds a block (else they stay).
+        if not self.engine_core.kv_cache_manager.reset_prefix_cache():
+            logger.warning("prefix cache kept after a failed step: a KV transfer holds blocks")
         message = f"engine step failed: {type(error).__name__}: {error}"
         self._dispatch([EngineStepError(message, request_id) for request_id in ids])
 

@@ -37,6 +37,7 @@ import torch
 
 from pdserve.shared.kv_cache.block_pool import (
     MEDIUM_DISK,
+    BlockPool,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 MAX_PENDING_WRITES = 4096
 """Evicted blocks waiting for the writer; past this, evictions are not kept (counted)."""
+SHUTDOWN_WRITE_S = 6.0
+"""How long shutdown spends writing the pool's cached blocks to disk (the service bounds
+the whole engine shutdown at 10 s)."""
 
 
 @dataclass(slots=True)
@@ -111,6 +115,9 @@ class KVOffloader:
         """One block's payload: [num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]."""
         self.dtype = k.dtype
         self.stats = OffloadStats()
+        self.block_pool: BlockPool | None = None
+        """The pool whose evictions come here (`make_offloader` sets it): its cached blocks
+        are written at shutdown."""
         self._pending: set[BlockHash] = set()
         """Hashes queued for the writer (not re-queued by another eviction)."""
         self._finished: dict[str, tuple[int, torch.Tensor | None, list[int]]] = {}
@@ -221,11 +228,29 @@ class KVOffloader:
         self.store.check_invariants()
 
     def shutdown(self) -> None:
-        """Stop both threads after the work queued so far (pending writes are flushed)."""
+        """Write the pool's cached blocks not yet on disk (so a restart finds every prefix
+        this engine held), then stop both threads after the work queued (flushed). Call it
+        once the engine thread has stopped stepping."""
+        if self.block_pool is not None:
+            self._write_pool(self.block_pool, deadline=time.monotonic() + SHUTDOWN_WRITE_S)
         for q in (self._writes, self._loads):
             q.put(None)
         for t in self._threads:
-            t.join(timeout=30)
+            t.join(timeout=3)
+
+    def _write_pool(self, pool: BlockPool, deadline: float, batch: int = 64) -> None:
+        """Queue the pool's cached blocks for the disk, `batch` at a time (bounded memory),
+        until `deadline` (monotonic seconds): those left are logged, not written."""
+        cached = list(pool.cached_block_hash_to_block.items())
+        for start in range(0, len(cached), batch):
+            while self._pending and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if time.monotonic() >= deadline:
+                logger.warning("disk tier: %d cached blocks not written at shutdown (took "
+                               "over %.0f s)", len(cached) - start, SHUTDOWN_WRITE_S)
+                return
+            part = cached[start:start + batch]
+            self.on_evict([b.block_id for _, b in part], [h for h, _ in part])
 
     # -- I/O threads ------------------------------------------------------------------------
 
@@ -291,6 +316,7 @@ def make_offloader(model_path: str, dtype: str, quantization: str, directory: st
                            num_layers=len(kv_caches), block_shape=tuple(k.shape[1:]))
     store = DiskBlockStore(directory, capacity_bytes, identity, block_nbytes)
     offloader = KVOffloader(store, kv_caches)
+    offloader.block_pool = kv_cache_manager.block_pool
     kv_cache_manager.block_pool.on_evict = offloader.on_evict
     logger.info("disk tier: %s, %d blocks of %.2f MiB at most (%d on disk)", store.root,
                 store.capacity_blocks, store.file_nbytes / 2**20, len(store))
