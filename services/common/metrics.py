@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdserve.services.common.tier_metrics import TierMetrics
+from pdserve.services.common.tier_metrics import TierMetrics, TierView, tier_views
 from pdserve.shared.engine.kv_offload import TierSnapshot
 
 # vLLM's bucket edges (seconds).
@@ -165,6 +165,13 @@ class ServiceMetrics:
         if self._tiers is None:
             self._tiers = TierMetrics(self._model, self.registry)
         self._tiers.update(snapshot)
+
+    def kv_tier_views(self) -> list[TierView]:
+        """Each tier's `pdserve_kv_tier_*` values now, as /metrics shows them; [] without a
+        disk tier (no snapshot yet)."""
+        if self._tiers is None:
+            return []
+        return tier_views(self.value, self.histogram("kv_tier_load_seconds"))
 
     def prompt_tokens_after_abort(self, total: int) -> None:
         """The engine's cumulative count (EngineCore.num_prompt_tokens_after_abort)."""

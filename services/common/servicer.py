@@ -123,4 +123,6 @@ def frame_to_proto(f: StateFrame) -> pb.StateFrame:
         prefix_cache_queries=f.stats.prefix_cache_queries,
         prefix_cache_hits=f.stats.prefix_cache_hits, prompt_tokens=c.prompt_tokens,
         generation_tokens=c.generation_tokens, time=f.time, ttft=_histogram(c.ttft),
-        itl=_histogram(c.itl))
+        itl=_histogram(c.itl),
+        tiers=[pb.TierView(**t._replace(load_seconds=_histogram(t.load_seconds))._asdict())
+               for t in c.tiers])

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdserve.services.common.metrics import EngineStats
+from pdserve.services.common.tier_metrics import TierView
 from pdserve.shared.request import RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class Counters(NamedTuple):
     generation_tokens: int
     ttft: HistogramView | None
     itl: HistogramView | None
+    tiers: list[TierView] = []
+    """The KV tiers' series (tier_metrics.tier_views); none without a disk tier."""
 
 
 class StateFrame(NamedTuple):
@@ -184,7 +187,8 @@ class StateFeed:
         loop_side: the worker's bookkeeping of this moment (called synchronously, right
             before `sample` is submitted).
         make_state: (stats, num_pinned_blocks) -> the EngineState of this moment.
-        counters: the instance's cumulative token counters and latency histograms.
+        counters: the instance's cumulative token counters, latency histograms and KV
+            tiers.
     """
 
     def __init__(self, sample: Callable[[bool], Awaitable[FeedSample]],

@@ -13,15 +13,57 @@ cached blocks) and "disk" (`--kv-offload-dir`, shared/engine/kv_offload.py).
                                             missing): each recomputed, never served
     pdserve_kv_tier_evictions_total{tier}   blocks dropped to stay within --kv-offload-size
     pdserve_kv_tier_load_seconds            one load (a request's run of disk blocks)
+
+The dashboard's state feed reads them back (`tier_views`): each frame's tiers are these
+series' values at that moment, so the page and /metrics never disagree.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.shared.engine.kv_offload import TierSnapshot
 
+if TYPE_CHECKING:
+    from pdserve.services.common.state_feed import HistogramView
+
+TIERS = ("memory", "disk")
+
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+class TierView(NamedTuple):
+    """One tier's series now (the proto TierView); stores / loads / failures / evictions
+    and the load histogram are the disk tier's only (0 and None for "memory")."""
+
+    tier: str
+    blocks: int
+    bytes: int
+    queries: int
+    hits: int
+    stores: int
+    loads: int
+    failures: int
+    evictions: int
+    load_seconds: HistogramView | None
+
+
+def tier_views(value: Callable[..., float],
+               load_seconds: HistogramView | None) -> list[TierView]:
+    """Each tier's values, read through `value(name, **labels)` (ServiceMetrics.value);
+    `load_seconds` is the pdserve_kv_tier_load_seconds histogram (the disk tier's)."""
+    def total(name: str, tier: str, **labels: str) -> int:
+        return int(value(f"kv_tier_{name}_total", tier=tier, **labels))
+
+    return [TierView(tier, int(value("kv_tier_blocks", tier=tier)),
+                     int(value("kv_tier_bytes", tier=tier)), total("queries", tier),
+                     total("hits", tier), total("stores", tier), total("loads", tier),
+                     total("failures", tier, op="store") + total("failures", tier, op="load"),
+                     total("evictions", tier), load_seconds if tier == "disk" else None)
+            for tier in TIERS]
 
 
 class TierMetrics:
@@ -58,7 +100,7 @@ class TierMetrics:
             self._seen[key] = total
 
     def update(self, s: TierSnapshot) -> None:
-        for tier in ("memory", "disk"):
+        for tier in TIERS:
             self._blocks.labels(self._model, tier).set(s.blocks[tier])
             self._bytes.labels(self._model, tier).set(s.bytes[tier])
             self._inc_to(self._counters["queries"], s.queries[tier], tier)

@@ -292,7 +292,7 @@ class EngineWorker:
         return Counters(int(m.value("prompt_tokens_total")),
                         int(m.value("generation_tokens_total")),
                         m.histogram("time_to_first_token_seconds"),
-                        m.histogram("inter_token_latency_seconds"))
+                        m.histogram("inter_token_latency_seconds"), m.kv_tier_views())
 
     def spawn(self, coro) -> asyncio.Task:
         """Run `coro` in the background, kept alive until done (shutdown awaits them)."""

@@ -11,7 +11,9 @@ snapshot of its block map first, then deltas (services/common/state_feed.py). Ev
     event: frame     data: {"address", "role", "seq", "snapshot", "blocks" (base64, one byte
                             per block; delta: one per id in "ids"), "ids", "state" (the
                             leak audit's counts of that moment), "requests", "transfers",
-                            counters and histograms}
+                            counters and histograms, "tiers" (the KV tiers' blocks, bytes,
+                            cumulative queries / hits / stores / loads / failures /
+                            evictions and load-latency histogram; [] without a disk tier)}
     event: down      data: {"address", "role", "error"}   (the stream is retried)
 
 A browser (EventSource) asks with `Accept: text/event-stream`; any other GET answers one
@@ -200,4 +202,10 @@ def frame_json(f: pb.StateFrame, address: str, role: str) -> dict:
         "prefix_hits": f.prefix_cache_hits, "prompt_tokens": f.prompt_tokens,
         "generation_tokens": f.generation_tokens, "time": f.time,
         "ttft": _histogram(f.ttft), "itl": _histogram(f.itl),
+        "tiers": [{"tier": t.tier, "blocks": t.blocks, "bytes": t.bytes, "queries": t.queries,
+                   "hits": t.hits, "stores": t.stores, "loads": t.loads,
+                   "failures": t.failures, "evictions": t.evictions,
+                   "load_seconds": _histogram(t.load_seconds)
+                   if t.HasField("load_seconds") else None}
+                  for t in f.tiers],
     }

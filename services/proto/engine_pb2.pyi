@@ -380,7 +380,7 @@ class WatchStateRequest(_message.Message):
     def __init__(self, interval_s: _Optional[float] = ...) -> None: ...
 
 class StateFrame(_message.Message):
-    __slots__ = ("seq", "snapshot", "block_states", "changed_block_ids", "state", "requests", "transfers", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "time", "ttft", "itl")
+    __slots__ = ("seq", "snapshot", "block_states", "changed_block_ids", "state", "requests", "transfers", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens", "time", "ttft", "itl", "tiers")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STATES_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +396,7 @@ class StateFrame(_message.Message):
     TIME_FIELD_NUMBER: _ClassVar[int]
     TTFT_FIELD_NUMBER: _ClassVar[int]
     ITL_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     snapshot: bool
     block_states: bytes
@@ -411,7 +412,32 @@ class StateFrame(_message.Message):
     time: float
     ttft: HistogramView
     itl: HistogramView
-    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., block_states: _Optional[bytes] = ..., changed_block_ids: _Optional[_Iterable[int]] = ..., state: _Optional[_Union[EngineState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestView, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferView, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., time: _Optional[float] = ..., ttft: _Optional[_Union[HistogramView, _Mapping]] = ..., itl: _Optional[_Union[HistogramView, _Mapping]] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierView]
+    def __init__(self, seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., block_states: _Optional[bytes] = ..., changed_block_ids: _Optional[_Iterable[int]] = ..., state: _Optional[_Union[EngineState, _Mapping]] = ..., requests: _Optional[_Iterable[_Union[RequestView, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferView, _Mapping]]] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., time: _Optional[float] = ..., ttft: _Optional[_Union[HistogramView, _Mapping]] = ..., itl: _Optional[_Union[HistogramView, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[TierView, _Mapping]]] = ...) -> None: ...
+
+class TierView(_message.Message):
+    __slots__ = ("tier", "blocks", "bytes", "queries", "hits", "stores", "loads", "failures", "evictions", "load_seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    blocks: int
+    bytes: int
+    queries: int
+    hits: int
+    stores: int
+    loads: int
+    failures: int
+    evictions: int
+    load_seconds: HistogramView
+    def __init__(self, tier: _Optional[str] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., stores: _Optional[int] = ..., loads: _Optional[int] = ..., failures: _Optional[int] = ..., evictions: _Optional[int] = ..., load_seconds: _Optional[_Union[HistogramView, _Mapping]] = ...) -> None: ...
 
 class RequestView(_message.Message):
     __slots__ = ("request_id", "status", "block_ids", "num_cached_tokens", "num_computed_tokens", "num_prompt_tokens", "num_tokens", "lora_name")

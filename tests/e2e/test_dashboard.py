@@ -9,7 +9,10 @@
      table's order; the screenshot is taken then (PDSERVE_DASHBOARD_SCREENSHOT=path keeps
      it; docs/dashboard.png is one);
    - at quiescence, the counts equal the audit again (nothing in use or pinned).
-2. A 100,000-block pool (a real AsyncEngine stepping a real scheduler and KV cache manager
+2. KV tiers (issue 30): a prefill with a disk tier beside a decode without one; the
+   prefill's tier table (memory, disk) shows its /metrics' blocks, MiB and hit rate, the
+   disk's loads/s, stores/s and load p50; the decode's shows none.
+3. A 100,000-block pool (a real AsyncEngine stepping a real scheduler and KV cache manager
    with fake tokens behind a real WatchState servicer): the page's frame rate and event-loop
    lag while it applies the deltas.
 
@@ -43,8 +46,10 @@ from tests.services.churn import ChurnEngine, feed
 from tests.services.gateway.conftest import SERVED_MODEL, RunningGateway, running_gateway
 from tests.services.gateway.helpers import assert_error_object
 from tests.services.helpers import (
+    FILL_POOL_BLOCKS,
     Cluster,
     engine_args,
+    fill_disk_tier,
     service_config,
     start_runtime,
     wait_leak_free,
@@ -391,6 +396,58 @@ async def check_grafana_metrics(gw: RunningGateway, cluster: Cluster) -> None:
                if line.startswith("pdserve_")}
     missing = queried_metrics(dashboard()) - exposed - {"pdserve_redis_up"}
     assert not missing, sorted(missing)
+
+
+async def test_the_page_shows_the_kv_tiers_of_an_engine_with_a_disk_tier(
+        browser, model_path, cluster, tmp_path):
+    """A prefill with a disk tier (issue 30) beside a decode without one: the prefill's card
+    has a tier table, memory and disk, whose blocks, MiB and hit rate are its /metrics',
+    with the disk's loads/s and load p50; the decode's card has none."""
+    tiered = await start_runtime(service_config("prefill", None), engine_args(
+        model_path, kv_offload_dir=str(tmp_path), num_gpu_blocks_override=FILL_POOL_BLOCKS))
+    try:
+        await tiered.wait_ready(300)
+        urls = Urls((tiered.identity.address,), (cluster.decode.identity.address,))
+        async with running_gateway(model_path, urls,  # type: ignore[arg-type]
+                                   admin_api_key=ADMIN) as gw:
+            context, page, errors = await open_dashboard(browser, gw)
+            await wait_page(page, lambda i: {"prefill", "decode"} <= set(i), what="both")
+            await fill_disk_tier(tiered)
+            await tiered.monitor.tick()
+            m = tiered.worker.metrics
+            want = {tier: {k: int(m.value(f"kv_tier_{k}", tier=tier)) for k in (
+                "blocks", "bytes", "queries_total", "hits_total", "loads_total")}
+                for tier in ("memory", "disk")}
+            assert want["disk"]["loads_total"] > 0, want
+            inst = await wait_page(page, lambda i: [
+                (t["tier"], t["blocks"], t["loads"]) for t in i["prefill"]["tiers"]] == [
+                (tier, w["blocks"], w["loads_total"]) for tier, w in want.items()],
+                what="the prefill's tiers as its /metrics has them")
+            assert inst["decode"]["tiers"] == []
+            await page.evaluate("pdDash.rendered()")
+            card = f'[data-key="{inst["prefill"]["key"]}"]'
+            await page.wait_for_selector(f"{card} table.tiers tr[data-tier=disk]")
+            rows = {r[0]: r[1:] for r in await page.eval_on_selector_all(
+                f"{card} table.tiers tbody tr",
+                "rs => rs.map((r) => [...r.cells].map((c) => c.textContent))")}
+            assert list(rows) == ["memory", "disk"], rows
+            for tier, (blocks, mib, hit_rate, *_) in rows.items():
+                w = want[tier]
+                assert blocks == str(w["blocks"]) and mib == f"{w['bytes'] / 2**20:.1f}", rows
+                assert hit_rate == f"{100 * w['hits_total'] / w['queries_total']:.1f}%", rows
+            assert rows["memory"][3:] == ["–", "–", "–"], rows  # no loads, stores, latency
+            assert float(rows["disk"][3]) >= 0 and float(rows["disk"][4]) >= 0, rows
+            assert rows["disk"][5].endswith(" ms") and float(rows["disk"][5][:-3]) > 0, rows
+            assert "failures" in await page.inner_text(f"{card} .tierq")
+            decode_card = f'[data-key="{inst["decode"]["key"]}"]'
+            assert await page.is_hidden(f"{decode_card} .tierbox")
+            shot = os.environ.get("PDSERVE_DASHBOARD_TIERS_SCREENSHOT")
+            if shot:
+                await page.screenshot(path=shot, full_page=True)
+            assert not errors, errors
+            await context.close()
+    finally:
+        await tiered.stop(0.5)
 
 
 # ---------------------------------------------------------------- 100,000 blocks

@@ -25,6 +25,7 @@ class ChurnEngine:
     to the event loop, as a model step mostly does)."""
     last_step_scheduled = True  # AsyncEngine reads it after each step
     trace_file = None  # AsyncEngine reads it at start (no timeline)
+    kv_offloader = None  # no disk tier (check_invariants_op, tier_snapshot_op read it)
 
     def __init__(self, num_blocks: int, block_size: int = 16, max_num_seqs: int = 32,
                  max_num_batched_tokens: int = 512, seed: int = 0,

@@ -4,6 +4,7 @@ and a client doing the gateway's two-step flow (Prefill -> Generate)."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import subprocess
 import time
@@ -204,3 +205,40 @@ async def index_matches(cluster: Cluster, timeout: float = 20.0) -> bool:
             return True
         await asyncio.sleep(0.1)
     return False
+
+
+FILL_POOL_BLOCKS = 48
+"""num_gpu_blocks_override of an engine `fill_disk_tier` drives (47 usable blocks)."""
+
+
+async def disk_writes_flushed(runtime: ServiceRuntime, timeout: float = 30.0) -> None:
+    """Wait until the disk tier's writer has written every evicted block queued so far."""
+    deadline = time.monotonic() + timeout
+    # NOTE: `_pending` is the writer's queue (shared/engine/kv_offload.py): empty, every
+    # queued block's file is written.
+    while await runtime.worker.engine.call(lambda e: bool(e.kv_offloader._pending)):
+        if time.monotonic() > deadline:
+            raise AssertionError("the disk tier's writes never finished")
+        await asyncio.sleep(0.05)
+
+
+async def fill_disk_tier(runtime: ServiceRuntime) -> pb.PrefillResponse:
+    """On a prefill instance with a disk tier and a FILL_POOL_BLOCKS pool: three 20-block
+    prompts (the first one's blocks are evicted to disk), then the first again (a disk
+    load); returns that last Prefill's answer, every disk write finished."""
+    rng = random.Random(30)
+    prompts = [[rng.randrange(100, 40000) for _ in range(320)] for _ in range(3)]
+    async with channel(runtime.identity.address) as ch:
+        stub = engine_pb2_grpc.PrefillServiceStub(ch)
+
+        async def prefill(request_id: str, prompt: list[int]) -> pb.PrefillResponse:
+            return await stub.Prefill(pb.PrefillRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling_params=greedy(1)),
+                timeout=RPC_TIMEOUT)
+
+        for i, prompt in enumerate(prompts):
+            await prefill(f"fill-{i}", prompt)
+        await disk_writes_flushed(runtime)
+        again = await prefill("fill-again", prompts[0])
+        await disk_writes_flushed(runtime)
+    return again

@@ -5,6 +5,7 @@ its counts equal to the leak audit's (stats_op) of that moment."""
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 from pdserve.services.common.state_feed import (
@@ -16,8 +17,19 @@ from pdserve.services.common.state_feed import (
     block_state,
     count_states,
 )
+from pdserve.services.gateway.dashboard import frame_json
+from pdserve.services.proto import engine_pb2 as pb
+from pdserve.services.proto import engine_pb2_grpc
 from pdserve.shared.kv_cache.block_pool import BlockPool
 from tests.services.churn import ChurnEngine, feed
+from tests.services.helpers import (
+    FILL_POOL_BLOCKS,
+    channel,
+    engine_args,
+    fill_disk_tier,
+    service_config,
+    start_runtime,
+)
 
 
 def test_block_pool_reports_every_changed_block_once_tracking_is_on():
@@ -185,3 +197,99 @@ def test_the_feed_and_the_leak_audit_name_a_block_holder_nobody_owns():
     held = [r for r in feed_op(engine, False, stats_op).requests if r.status == "held"]
     assert [(r.request_id, r.block_ids) for r in held] == [
         ("leaked", engine.kv_cache_manager.get_block_ids("leaked"))]
+
+
+# ---------------------------------------------------------------- KV tiers (issue 30)
+
+def _metric_samples(text: str) -> dict[tuple, float]:
+    """/metrics text -> {(sample name, tier, op, le): value} of the pdserve_kv_tier_* series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, s.labels.get("tier"), s.labels.get("op"), s.labels.get("le")): s.value
+            for f in text_string_to_metric_families(text) if f.name.startswith("pdserve_kv_tier")
+            for s in f.samples}
+
+
+def _expected_tiers(samples: dict[tuple, float]) -> list[dict]:
+    """The frame's tiers as /metrics has them (tier_metrics.py's series, per tier)."""
+    def v(name: str, tier: str, op: str | None = None) -> int:
+        return int(samples.get((f"pdserve_kv_tier_{name}", tier, op, None), 0))
+
+    buckets = sorted(((math.inf if le == "+Inf" else float(le)), int(value))
+                     for (name, _, _, le), value in samples.items()
+                     if name == "pdserve_kv_tier_load_seconds_bucket")
+    load = {"bounds": [b for b, _ in buckets], "counts": [c for _, c in buckets],
+            "sum": samples[("pdserve_kv_tier_load_seconds_sum", None, None, None)]}
+    return [{"tier": tier, "blocks": v("blocks", tier), "bytes": v("bytes", tier),
+             "queries": v("queries_total", tier), "hits": v("hits_total", tier),
+             "stores": v("stores_total", tier), "loads": v("loads_total", tier),
+             "failures": v("failures_total", tier, "store") + v("failures_total", tier, "load"),
+             "evictions": v("evictions_total", tier),
+             "load_seconds": load if tier == "disk" else None}
+            for tier in ("memory", "disk")]
+
+
+def _frame_tiers(frame) -> list[dict]:
+    return [{"tier": t.tier, "blocks": t.blocks, "bytes": t.bytes, "queries": t.queries,
+             "hits": t.hits, "stores": t.stores, "loads": t.loads, "failures": t.failures,
+             "evictions": t.evictions,
+             "load_seconds": {"bounds": list(t.load_seconds.bounds),
+                              "counts": list(t.load_seconds.counts), "sum": t.load_seconds.sum}
+             if t.HasField("load_seconds") else None}
+            for t in frame.tiers]
+
+
+async def _first_frame(runtime):
+    stub_type = (engine_pb2_grpc.PrefillServiceStub if runtime.worker.role == "prefill"
+                 else engine_pb2_grpc.DecodeServiceStub)
+    async with channel(runtime.identity.address) as ch:
+        call = stub_type(ch).WatchState(pb.WatchStateRequest(interval_s=0.05), timeout=60)
+        try:
+            return await anext(aiter(call))
+        finally:
+            call.cancel()
+
+
+async def _metrics_text(runtime) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30) as http:
+        return (await http.get(f"http://127.0.0.1:{runtime.metrics_port}/metrics")).text
+
+
+async def test_a_frame_carries_the_kv_tiers_its_metrics_show(model_path, tmp_path):
+    """An engine with a disk tier: each frame's tiers are its pdserve_kv_tier_* series, as
+    its /metrics serves them, loads and load latency included; one without: no tiers."""
+    tiered = await start_runtime(service_config("prefill", None), engine_args(
+        model_path, kv_offload_dir=str(tmp_path), num_gpu_blocks_override=FILL_POOL_BLOCKS))
+    plain = await start_runtime(service_config("prefill", None), engine_args(model_path))
+    try:
+        await asyncio.gather(tiered.wait_ready(300), plain.wait_ready(300))
+        again = await fill_disk_tier(tiered)
+        assert again.num_cached_tokens >= 16 * 10
+        for runtime in (tiered, plain):
+            await runtime.monitor.tick()
+
+        frame = await _first_frame(tiered)
+        samples = _metric_samples(await _metrics_text(tiered))
+        expected = _expected_tiers(samples)
+        assert _frame_tiers(frame) == expected
+        # The gateway's feed (/dashboard/feed) forwards them as they are (+Inf as null).
+        expected[1]["load_seconds"]["bounds"][-1] = None
+        assert frame_json(frame, "a:1", "prefill")["tiers"] == expected
+        memory, disk = frame.tiers
+        assert (memory.tier, disk.tier) == ("memory", "disk")
+        assert disk.stores >= 13 and disk.blocks == disk.stores and disk.loads > 0
+        assert disk.hits == disk.loads and disk.queries >= disk.hits
+        # Each disk file is the block's payload plus its header (disk_store.py).
+        assert disk.bytes > disk.blocks * (memory.bytes // memory.blocks) > 0
+        assert memory.hits > 0 and memory.queries >= memory.hits + disk.queries
+        assert disk.load_seconds.counts[-1] == 1 and disk.load_seconds.sum > 0
+        assert not memory.HasField("load_seconds") and memory.stores == memory.loads == 0
+
+        frame = await _first_frame(plain)
+        assert list(frame.tiers) == [] and frame.state.num_gpu_blocks > 0
+        assert frame_json(frame, "b:1", "prefill")["tiers"] == []
+        assert "pdserve_kv_tier" not in await _metrics_text(plain)
+    finally:
+        await asyncio.gather(tiered.stop(0.5), plain.stop(0.5))

@@ -94,6 +94,9 @@
           <div class="side"><div class="stats"></div>
             <div class="hist"><h3>TTFT <span class="q ttftq"></span></h3><canvas class="ttft" width="330" height="54"></canvas></div>
             <div class="hist"><h3>ITL <span class="q itlq"></span></h3><canvas class="itl" width="330" height="54"></canvas></div>
+            <div class="hist tierbox" hidden><h3>KV tiers <span class="q tierq"></span></h3>
+              <table class="tiers"><thead><tr><th>tier</th><th>blocks</th><th>MiB</th><th>hit rate</th>
+                <th>loads/s</th><th>stores/s</th><th>load p50</th></tr></thead><tbody></tbody></table></div>
           </div>
         </div>
         <div class="detail"></div>
@@ -103,7 +106,8 @@
       const q = (s) => card.querySelector(s);
       this.el = { meta: q(".meta"), check: q(".check"), wrap: q(".gridwrap"), base: q("canvas.base"),
         cells: q("canvas.cells"), path: q("canvas.path"), stats: q(".stats"), detail: q(".detail"),
-        tbody: q("tbody"), ttft: q("canvas.ttft"), itl: q("canvas.itl"), ttftq: q(".ttftq"),
+        tbody: q("table.reqs tbody"), tierbox: q(".tierbox"), tiers: q("table.tiers tbody"),
+        tierq: q(".tierq"), ttft: q("canvas.ttft"), itl: q("canvas.itl"), ttftq: q(".ttftq"),
         itlq: q(".itlq") };
       this.el.tbody.addEventListener("click", (ev) => {
         const tr = ev.target.closest("tr.req");
@@ -153,7 +157,7 @@
       this.auditOk = c.free === s.num_free_blocks && c.used === s.num_used_blocks &&
         c.pinned === s.num_pinned_blocks && c.cached === s.num_cached_blocks;
       this.history.push({ t: f.time, prompt: f.prompt_tokens, gen: f.generation_tokens,
-        q: f.prefix_queries, h: f.prefix_hits, ttft: f.ttft, itl: f.itl });
+        q: f.prefix_queries, h: f.prefix_hits, ttft: f.ttft, itl: f.itl, tiers: f.tiers || [] });
       while (this.history.length > 2 && this.history[0].t < f.time - HIST_WINDOW_S) this.history.shift();
       this.overlayDirty = this.textDirty = true;
       perf.applyMs.push(performance.now() - t0); if (perf.applyMs.length > 400) perf.applyMs.shift();
@@ -282,6 +286,7 @@
       this.el.stats.dataset.pinned = c.pinned; this.el.stats.dataset.cached = c.cached;
       this.drawHist(this.el.ttft, this.el.ttftq, "ttft");
       this.drawHist(this.el.itl, this.el.itlq, "itl");
+      this.drawTiers(base, dt);
       // NOTE: the table is the page's costliest part to lay out (300 rows rebuilt at 4 Hz
       // stalled the page for ~120 ms a frame with 100,000 blocks): a few rows, twice a second.
       const now = performance.now();
@@ -305,6 +310,31 @@
       per.forEach((v, i) => { const bh = (canvas.height - 12) * v / max; ctx.fillRect(i * w + 1, canvas.height - 12 - bh, w - 2, bh); });
       ctx.fillStyle = "#5b6472"; ctx.font = "9px system-ui"; ctx.textAlign = "center";
       now.bounds.forEach((b, i) => { if (i % 3 === 0) ctx.fillText(b === null ? "+Inf" : String(b), i * w + w / 2, canvas.height - 2); });
+    }
+
+    drawTiers(base, dt) { // one row per KV tier (none without a disk tier): rates as tokens/s
+      const h = this.history, last = h[h.length - 1], tiers = last.tiers;
+      this.el.tierbox.hidden = !tiers.length;
+      if (!tiers.length) return;
+      const of = (e, name) => e.tiers.find((t) => t.tier === name);
+      const rows = tiers.map((t) => {
+        const b = of(base, t.tier), disk = t.tier !== "memory"; // memory: no loads or stores
+        const rate = (k) => disk && b && dt > 0 ? fmt((t[k] - b[k]) / dt) : "–";
+        let p50 = null;
+        if (t.load_seconds && t.load_seconds.counts.length) { // the last minute, as TTFT's
+          const then = of(h[0], t.tier), h0 = then && then.load_seconds, now = t.load_seconds;
+          const cum = now.counts.map((v, i) => v - (h0 && h0.counts.length === now.counts.length ? h0.counts[i] : 0));
+          p50 = quantile(now.bounds, cum, 0.5);
+        }
+        return `<tr data-tier="${esc(t.tier)}"><td>${esc(t.tier)}</td><td>${t.blocks}</td>` +
+          `<td>${fmt(t.bytes / 1048576)}</td><td>${pct(t.queries ? t.hits / t.queries : null)}</td>` +
+          `<td>${rate("loads")}</td><td>${rate("stores")}</td>` +
+          `<td>${p50 === null ? "–" : fmt(p50 * 1000, 1) + " ms"}</td></tr>`;
+      });
+      const html = rows.join("");
+      if (html !== this.tiersHtml) { this.el.tiers.innerHTML = html; this.tiersHtml = html; }
+      const d = of(last, "disk");
+      this.el.tierq.textContent = d ? `disk: ${d.failures} failures · ${d.evictions} evictions` : "";
     }
 
     drawTable() {
@@ -450,6 +480,7 @@
     instances: () => [...instances.values()].map((i) => ({ key: i.key, role: i.role, address: i.address,
       instance_id: i.frame && i.frame.state.instance_id, seq: i.seq, num_blocks: i.map ? i.map.length : 0,
       counts: i.pageCounts(), state: i.frame && i.frame.state, audit_ok: i.auditOk,
+      tiers: i.frame ? i.frame.tiers || [] : [],
       requests: i.requests.map((r) => ({ id: r.id, status: r.status, blocks: r.blocks, cached: r.cached })) })),
     select: (key, rid) => { instances.get(key).select(rid); },
     selected: (key) => instances.get(key).selected,
