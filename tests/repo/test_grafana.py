@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.services.common.metrics import ServiceMetrics
+from pdserve.services.common.tier_metrics import TierMetrics
 from pdserve.services.gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +42,10 @@ def queried_metrics(board: dict) -> set[str]:
 
 def exposed_names() -> set[str]:
     """The sample names the services' registries expose (prometheus_client's suffixes)."""
-    registries = [ServiceMetrics("m", CollectorRegistry()).registry, GatewayMetrics().registry]
+    tiers = CollectorRegistry()  # made at an engine's first tier snapshot (with a disk tier)
+    TierMetrics("m", tiers)
+    registries = [ServiceMetrics("m", CollectorRegistry()).registry, GatewayMetrics().registry,
+                  tiers]
     names = set()
     for registry in registries:
         for family in registry.collect():
