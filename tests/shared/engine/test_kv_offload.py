@@ -5,15 +5,13 @@ directory serves a returning prompt from disk."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from pdserve.shared.engine.engine_core import EngineCore
 from pdserve.shared.llm import LLM
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.tokenizer import apply_chat_template
 from tests.conftest import PARITY_MESSAGES
+from tests.kv_tiers import evict_all
 
 pytestmark = pytest.mark.fp32_only
 
@@ -22,24 +20,6 @@ MAX_TOKENS = 24
 TIER_ENGINE = dict(num_gpu_blocks_override=45, max_model_len=512, kv_offload_size="1GiB")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 FOLLOW_UPS = ["Now say it again in one sentence.", "And what happens in winter?"]
-
-
-def evict_all(engine: EngineCore) -> None:
-    """Evict every cached block of the pool the way a full pool does (BlockPool.
-    get_new_blocks hands them to the offloader), then wait until the writer has put them on
-    disk. Engine thread only (here: the offline LLM's, which is the caller's)."""
-    pool = engine.kv_cache_manager.block_pool
-    pool.free_blocks(pool.get_new_blocks(pool.get_num_free_blocks()))
-    assert pool.num_cached_blocks == 0
-    wait_written(engine)
-
-
-def wait_written(engine: EngineCore, timeout: float = 30.0) -> None:
-    off = engine.kv_offloader
-    deadline = time.monotonic() + timeout
-    while off._pending:  # hashes queued for the writer, cleared once on disk (or dropped)
-        assert time.monotonic() < deadline, "the disk tier's writer did not catch up"
-        time.sleep(0.005)
 
 
 def num_full_blocks(prompt: list[int]) -> int:
