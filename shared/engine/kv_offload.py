@@ -261,6 +261,10 @@ class KVOffloader:
             except Exception:  # never let one block take the tier down
                 logger.exception("disk tier: %s failed", fn.__name__)
                 if fn == self._load:  # the scheduler must hear of the load all the same
+                    # NOTE: and its first block must go, or the request, back in the queue
+                    # to recompute, would find it on disk and start the same load again.
+                    if item[1]:
+                        self.store.drop(item[1][0])
                     with self._lock:
                         self._finished[item[0]] = (0, None, [])
 

@@ -135,8 +135,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a step could make progress: an unfinished request that is neither paused
-        nor holding blocks a receive is filling."""
-        return len(self.requests) > len(self.paused) + self.kv_transfers.num_receiving
+        nor holding blocks a receive is filling, or a request aborted while a disk load
+        fills its blocks (the step after the load ends frees them)."""
+        return len(self.requests) > len(self.paused) + self.kv_transfers.num_receiving or \
+            bool(self.kv_transfers.aborted_loading)
 
     def pause_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Make the given unfinished requests PAUSED (`PausedRequests.pause`: out of the

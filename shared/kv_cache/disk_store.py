@@ -225,11 +225,7 @@ class DiskBlockStore:
             self.stats.load_failures += 1
             logger.warning("disk tier: block %s %s; dropped, it will be recomputed",
                            block_hash.hex()[:12], why)
-            with self._lock:
-                if block_hash in self._index:
-                    del self._index[block_hash]
-                    self._changes.append((block_hash, False))
-                self._discard(path)
+            self.drop(block_hash)
             return False
         self.stats.loads += 1
         try:
@@ -237,6 +233,16 @@ class DiskBlockStore:
         except OSError:
             pass
         return True
+
+    def drop(self, block_hash: BlockHash) -> None:
+        """Forget a block and delete its file (a no-op for one not on disk): a read found
+        it bad, or failed in a way the read could not tell (the loader's exception), so it
+        is recomputed rather than read again."""
+        with self._lock:
+            if block_hash in self._index:
+                del self._index[block_hash]
+                self._changes.append((block_hash, False))
+            self._discard(self._path(block_hash))
 
     def _check(self, header: bytearray, nread: int, payload: memoryview,
                block_hash: BlockHash) -> str:
