@@ -175,6 +175,7 @@ class DiskBlockStore:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             except FileNotFoundError:  # the directory was deleted: make it again
+                self._forget_all_if_gone()
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -221,6 +222,9 @@ class DiskBlockStore:
             why = self._check(header, nread, out, block_hash)
         except OSError as e:
             why = f"unreadable ({e.__class__.__name__})"
+            if isinstance(e, FileNotFoundError) and self._forget_all_if_gone():
+                self.stats.load_failures += 1
+                return False
         if why:
             self.stats.load_failures += 1
             logger.warning("disk tier: block %s %s; dropped, it will be recomputed",
@@ -232,6 +236,21 @@ class DiskBlockStore:
             os.utime(path)  # the LRU order a restart re-reads
         except OSError:
             pass
+        return True
+
+    def _forget_all_if_gone(self) -> bool:
+        """After a missing file: when the tier's directory itself is gone (deleted under
+        the engine), forget every block at once, so each is written again at its next
+        eviction instead of being found missing one load at a time. Returns whether it was
+        gone."""
+        if os.path.isdir(self.root):
+            return False
+        with self._lock:
+            self._changes.extend((h, False) for h in self._index)
+            lost, _ = len(self._index), self._index.clear()
+        if lost:
+            logger.warning("disk tier: %s was deleted; its %d blocks are forgotten (written "
+                           "again when next evicted)", self.root, lost)
         return True
 
     def drop(self, block_hash: BlockHash) -> None:
