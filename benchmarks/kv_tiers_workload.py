@@ -1,8 +1,9 @@
 """The multi-turn chat workload of benchmarks/kv_tiers.py: conversations, the client, stats.
 
 N conversations share one system prompt; every conversation has T turns (a seeded user
-message each; the assistant's answer, generated greedily, goes back into the history as it
-came). Turns go round-robin in rounds: round t sends turn t of conversation 0, 1, ..., N-1
+message each, the first with a document of the conversation's own: multi-round QA over a
+document, as LMCache benchmarks KV offloading; the assistant's answer, generated greedily,
+goes back into the history as it came). Turns go round-robin in rounds: round t sends turn t of conversation 0, 1, ..., N-1
 (at most `concurrency` in flight), and round t + 1 starts when round t is done. So between
 two turns of one conversation the other N - 1 conversations' turns pass through the engine:
 with a pool far smaller than all the histories, a returning turn finds its blocks evicted.
@@ -41,6 +42,9 @@ class WorkloadConfig:
     max_tokens: int
     concurrency: int
     seed: int
+    doc_tokens: int = 0
+    """About this many tokens of a document of the conversation's own in its first user
+    message (multi-round QA over a document, LMCache's workload): 0, none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +63,11 @@ def build_workload(cfg: WorkloadConfig) -> Workload:
     rng = random.Random(cfg.seed)
     system = "You are a helpful assistant. Background notes: " + word_salad(
         rng, cfg.system_tokens)
-    users = tuple(tuple(f"Question {c}.{t}: " + word_salad(rng, rng.randint(*cfg.user_tokens))
+    def document(c: int) -> str:
+        return f"Document {c}: {word_salad(rng, cfg.doc_tokens)}\n\n" if cfg.doc_tokens else ""
+
+    users = tuple(tuple((document(c) if t == 0 else "") + f"Question {c}.{t}: "
+                        + word_salad(rng, rng.randint(*cfg.user_tokens))
                         for t in range(cfg.num_turns))
                   for c in range(cfg.num_conversations))
     probe = "One more question: " + word_salad(rng, cfg.user_tokens[0])
