@@ -3,10 +3,11 @@
 N conversations share one system prompt; every conversation has T turns (a seeded user
 message each, the first with a document of the conversation's own: multi-round QA over a
 document, as LMCache benchmarks KV offloading; the assistant's answer, generated greedily,
-goes back into the history as it came). Turns go round-robin in rounds: round t sends turn t of conversation 0, 1, ..., N-1
-(at most `concurrency` in flight), and round t + 1 starts when round t is done. So between
-two turns of one conversation the other N - 1 conversations' turns pass through the engine:
-with a pool far smaller than all the histories, a returning turn finds its blocks evicted.
+goes back into the history as it came). Turns go round-robin in rounds: round t sends
+turn t of conversation 0, 1, ..., N-1 (at most `concurrency` in flight), and round t + 1
+starts when round t is done. So between two turns of one conversation the other N - 1
+conversations' turns pass through the engine: with a pool far smaller than all the
+histories, a returning turn finds its blocks evicted.
 
     round 0 (first turns)     c0.t0  c1.t0  ...  cN-1.t0
     round 1 (returning)       c0.t1  c1.t1  ...  cN-1.t1      <- c0's history was pushed out
