@@ -128,6 +128,9 @@ def check_graph_padded_decode(seed: int) -> float:
                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=128,
                      tie_word_embeddings=True, attention_bias=False)
     model = LlamaForCausalLM(args).eval()
+    # The embeddings are built empty (the loader fills them): uninitialized memory may
+    # hold NaNs.
+    torch.nn.init.normal_(model.embed_tokens.weight)
     caches = [(torch.randn(8, 16, 2, 16), torch.randn(8, 16, 2, 16)) for _ in range(2)]
     expected_caches = [(k.clone(), v.clone()) for k, v in caches]
     graphs = CUDAGraphRunner(model, caches, 16, 2, 128, (4,), torch.device("cpu"), "triton",

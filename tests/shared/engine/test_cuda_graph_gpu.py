@@ -33,7 +33,11 @@ def tiny_model(dtype: torch.dtype) -> LlamaForCausalLM:
                      rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                      max_position_embeddings=512, tie_word_embeddings=True,
                      attention_bias=False)
-    model = LlamaForCausalLM(args).to(device="cuda", dtype=dtype).eval()
+    model = LlamaForCausalLM(args)
+    # The embeddings are built empty (the loader fills them): uninitialized memory may
+    # hold NaNs.
+    torch.nn.init.normal_(model.embed_tokens.weight)
+    model = model.to(device="cuda", dtype=dtype).eval()
     model.rotary.to("cuda", dtype)
     return model
 

@@ -118,7 +118,11 @@ def test_fused_cpu_ops_stay_off_for_bf16():
                      num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=16,
                      tie_word_embeddings=True, attention_bias=False)
-    model = LlamaForCausalLM(args).to(torch.bfloat16)
+    model = LlamaForCausalLM(args)
+    # The embeddings are built empty (the loader fills them): uninitialized memory may
+    # hold NaNs.
+    torch.nn.init.normal_(model.embed_tokens.weight)
+    model = model.to(torch.bfloat16)
     model.rotary.to("cpu", torch.bfloat16)
     model.set_fused_cpu_ops(True)
     assert not model.rotary.use_fused_cpu_ops
