@@ -161,10 +161,14 @@ class ServiceMetrics:
 
     def kv_tiers(self, snapshot: TierSnapshot) -> None:
         """The KV tiers' series (services/common/tier_metrics.py), made at the first
-        snapshot: absent without a disk tier."""
+        snapshot or peer event: absent without a disk tier or a peer fetch."""
+        self.tier_metrics().update(snapshot)
+
+    def tier_metrics(self) -> TierMetrics:
+        """The `pdserve_kv_tier_*` series (made at the first use)."""
         if self._tiers is None:
             self._tiers = TierMetrics(self._model, self.registry)
-        self._tiers.update(snapshot)
+        return self._tiers
 
     def kv_tier_views(self) -> list[TierView]:
         """Each tier's `pdserve_kv_tier_*` values now, as /metrics shows them; [] without a

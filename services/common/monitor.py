@@ -109,6 +109,7 @@ class InstanceMonitor:
             num_waiting=s.num_waiting if s else 0,
             kv_usage=round(s.kv_cache_usage, 4) if s else 0.0, block_size=w.block_size,
             metrics_address=self.metrics_address,
+            kv_block_bytes=w.layout.bytes_per_block,
             lora_adapters=tuple(dataclasses.asdict(a) for a in w.lora.listed()))
 
     async def _every(self, interval: float, fn, what: str) -> None:

@@ -112,6 +112,9 @@ class InstanceInfo:
     block_size: int = 16
     metrics_address: str = ""
     """host:port of its Prometheus endpoint ("" without one); the gateway federates it."""
+    kv_block_bytes: int = 0
+    """Bytes of one KV block over all layers (K and V): what fetching a block from it
+    costs (the peer tier's placement); 0 from an instance that predates it (never a peer)."""
     lora_adapters: tuple[dict, ...] = ()
     """The LoRA adapters it has loaded: {"lora_name", "lora_int_id", "lora_path",
     "base_model_name"} each (services/common/lora.py), so every gateway lists and routes

@@ -14,6 +14,11 @@ cached blocks) and "disk" (`--kv-offload-dir`, shared/engine/kv_offload.py).
     pdserve_kv_tier_evictions_total{tier}   blocks dropped to stay within --kv-offload-size
     pdserve_kv_tier_load_seconds            one load (a request's run of disk blocks)
 
+The peer tier (another instance's blocks, fetched over FetchKV: docs/kv-tiers.md) counts as
+tier "peer": queries (blocks asked of a peer), hits and loads (blocks fetched),
+failures{op="pin"|"fetch"} (each recomputed here), and `pdserve_kv_tier_served_total`
+(blocks this instance held for a peer's fetch).
+
 The dashboard's state feed reads them back (`tier_views`): each frame's tiers are these
 series' values at that moment, so the page and /metrics never disagree.
 """
@@ -91,7 +96,24 @@ class TierMetrics:
                                        "from the disk tier (a request's run of blocks).",
                                        ["model_name"], buckets=_LOAD_BUCKETS,
                                        registry=registry)
+        self._served = Counter("pdserve_kv_tier_served", "Blocks held for a peer's fetch "
+                               "(PinKV).", labels, registry=registry)
         self._seen: dict[tuple[str, ...], int] = {}
+
+    def peer_served(self, num_blocks: int) -> None:
+        """This instance held `num_blocks` blocks for a peer (PinKV)."""
+        self._served.labels(self._model, "peer").inc(num_blocks)
+
+    def peer_fetched(self, num_queried: int, num_fetched: int,
+                     failed_op: str | None = None) -> None:
+        """A fetch from a peer asked `num_queried` blocks and wrote `num_fetched`;
+        `failed_op` ("pin" | "fetch"): it failed there (the request recomputes)."""
+        self._counters["queries"].labels(self._model, "peer").inc(num_queried)
+        if num_fetched:
+            self._counters["hits"].labels(self._model, "peer").inc(num_fetched)
+            self._counters["loads"].labels(self._model, "peer").inc(num_fetched)
+        if failed_op is not None:
+            self._failures.labels(self._model, "peer", failed_op).inc()
 
     def _inc_to(self, counter: Counter, total: int, *labels: str) -> None:
         key = (counter._name, *labels)

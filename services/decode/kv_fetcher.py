@@ -1,4 +1,5 @@
-"""KVFetcher: pulls a request's missing KV blocks from a prefill instance into this cache.
+"""KVFetcher: pulls a request's missing KV blocks from a prefill instance (or a peer) into
+this cache.
 
     FetchKV(request_id, block_indices) ──▶ KVChunk stream ──▶ TransferTracker.accept
         (dtype, shape, length, indices checked) ──▶ write_kv_blocks(our block ids)
@@ -12,6 +13,9 @@ transfer within seconds, not at `kv_transfer_timeout`); every call carries the i
 A FetchKV that fails UNAVAILABLE before its first chunk (a channel still in reconnect
 backoff, failing calls at once, after the prefill or this host came back from a restart or
 a network cut) waits up to RECONNECT_WAIT_S for the channel to connect and is asked once more.
+
+A peer (the peer tier: docs/kv-tiers.md) is asked over KVPeerService (`PinKV`, then the
+same FetchKV and ReleaseKV); a prefill over PrefillService.
 
 Every FetchKV failure but NOT_FOUND (pin expired or released) and DATA_LOSS (a bad or missing
 chunk) becomes ABORTED naming the prefill and its status: Generate's caller must not take the
@@ -31,6 +35,7 @@ import grpc
 
 from pdserve.services.common.auth import call_metadata, internal_channel
 from pdserve.services.common.config import ServiceConfig
+from pdserve.services.common.convert import handle_from_proto
 from pdserve.services.common.errors import ServiceError
 from pdserve.services.common.metrics import ServiceMetrics
 from pdserve.services.proto import engine_pb2 as pb
@@ -45,6 +50,7 @@ from pdserve.shared.kv_transfer.codec import (
     TransferTracker,
     write_kv_blocks,
 )
+from pdserve.shared.kv_transfer.params import KVHandle
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +71,45 @@ class KVFetcher:
         self.layout = KVLayout.of(kv_caches)
         self.config = config
         self.metrics = metrics
-        self._stubs: dict[str, tuple[grpc.aio.Channel, engine_pb2_grpc.PrefillServiceStub]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self.in_flight: dict[str, tuple[str, int, float]] = {}
         """request_id -> (prefill address, blocks, monotonic start) of fetches running now."""
 
-    def _stub(self, address: str) -> engine_pb2_grpc.PrefillServiceStub:
-        entry = self._stubs.get(address)
-        if entry is None:
-            channel = internal_channel(address, max_message_bytes=self.config.max_message_bytes)
-            entry = self._stubs[address] = (channel, engine_pb2_grpc.PrefillServiceStub(channel))
-        return entry[1]
+    def _stub(self, address: str, peer: bool = False
+              ) -> engine_pb2_grpc.PrefillServiceStub | engine_pb2_grpc.KVPeerServiceStub:
+        """The stub of `address` (one channel per address): KVPeerService's for a `peer`,
+        else PrefillService's."""
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = internal_channel(
+                address, max_message_bytes=self.config.max_message_bytes)
+        return (engine_pb2_grpc.KVPeerServiceStub if peer
+                else engine_pb2_grpc.PrefillServiceStub)(channel)
+
+    async def pin(self, request_id: str, address: str, prompt_token_ids: Sequence[int],
+                  cache_salt: str | None, lora_request: pb.LoRAAdapter | None) -> KVHandle:
+        """PinKV at the peer `address`: the handle of the prefix's blocks it holds for us
+        (`peer=True`).
+
+        Raises:
+            ServiceError: ABORTED naming the peer and its status (any failure).
+        """
+        try:
+            resp = await self._stub(address, peer=True).PinKV(
+                pb.PinKVRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                cache_salt=cache_salt or "", lora_request=lora_request),
+                timeout=self.config.rpc_timeout,
+                metadata=call_metadata(self.config.internal_token, request_id))
+        except grpc.aio.AioRpcError as e:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"PinKV at peer {address} failed: "
+                               f"{e.code().name}: {e.details()}") from None
+        return handle_from_proto(resp.kv_transfer_params)._replace(peer=True)
 
     async def fetch(self, request_id: str, address: str, block_indices: Sequence[int],
-                    dst_block_ids: Sequence[int]) -> None:
+                    dst_block_ids: Sequence[int], peer: bool = False) -> None:
         """Write the blocks `block_indices` (positions in the request's block list) that the
-        prefill instance at `address` holds for `request_id` into our blocks `dst_block_ids`.
+        prefill instance (or `peer`) at `address` holds for `request_id` into our blocks
+        `dst_block_ids`.
 
         Raises:
             ServiceError: NOT_FOUND (no pinned KV: expired, released, aborted) and DATA_LOSS
@@ -94,7 +124,8 @@ class KVFetcher:
         try:
             for attempt in range(2):
                 try:
-                    await self._fetch_once(address, request_id, block_indices, tracker, dst)
+                    await self._fetch_once(address, request_id, block_indices, tracker, dst,
+                                           peer)
                     break
                 except grpc.aio.AioRpcError as e:
                     if attempt == 0 and e.code() is grpc.StatusCode.UNAVAILABLE and \
@@ -121,8 +152,8 @@ class KVFetcher:
                 "bytes": tracker.num_bytes})
 
     async def _fetch_once(self, address: str, request_id: str, block_indices: Sequence[int],
-                          tracker: TransferTracker, dst: dict[int, int]) -> None:
-        call = self._stub(address).FetchKV(
+                          tracker: TransferTracker, dst: dict[int, int], peer: bool) -> None:
+        call = self._stub(address, peer).FetchKV(
             pb.FetchKVRequest(request_id=request_id, block_indices=block_indices),
             timeout=self.config.kv_transfer_timeout,
             metadata=call_metadata(self.config.internal_token, request_id))
@@ -140,7 +171,7 @@ class KVFetcher:
 
     async def _reconnected(self, address: str) -> bool:
         """Whether the channel to `address` connects within RECONNECT_WAIT_S."""
-        channel, _ = self._stubs[address]
+        channel = self._channels[address]
         try:
             await asyncio.wait_for(channel.channel_ready(), RECONNECT_WAIT_S)
         except (TimeoutError, grpc.aio.AioRpcError):
@@ -148,10 +179,10 @@ class KVFetcher:
         logger.info("channel to prefill %s reconnected; fetching again", address)
         return True
 
-    async def release(self, request_id: str, address: str) -> None:
-        """ReleaseKV at `address`; failures are logged (the prefill's TTL unpins anyway)."""
+    async def release(self, request_id: str, address: str, peer: bool = False) -> None:
+        """ReleaseKV at `address`; failures are logged (the holder's TTL unpins anyway)."""
         try:
-            await self._stub(address).ReleaseKV(
+            await self._stub(address, peer).ReleaseKV(
                 pb.ReleaseKVRequest(request_id=request_id), timeout=self.config.rpc_timeout,
                 metadata=call_metadata(self.config.internal_token, request_id))
         except grpc.aio.AioRpcError as e:
@@ -159,6 +190,6 @@ class KVFetcher:
                            e.code().name, e.details())
 
     async def close(self) -> None:
-        await asyncio.gather(*(ch.close() for ch, _ in self._stubs.values()),
+        await asyncio.gather(*(ch.close() for ch in self._channels.values()),
                              return_exceptions=True)
-        self._stubs.clear()
+        self._channels.clear()

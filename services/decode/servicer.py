@@ -15,9 +15,10 @@ from pdserve.services.common.convert import (
     sampling_params_from_proto,
 )
 from pdserve.services.common.errors import abort_with
+from pdserve.services.common.kv_peer_servicer import add_kv_peer_servicer
 from pdserve.services.common.server import ServiceRuntime
 from pdserve.services.common.servicer import EngineServicerBase
-from pdserve.services.decode.worker import DecodeWorker
+from pdserve.services.decode.worker import DecodeWorker, PeerHint
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.services.proto import engine_pb2_grpc
 
@@ -45,7 +46,9 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
                 request.cache_salt or None, lora)
             handle = (handle_from_proto(request.kv_transfer_params)
                       if request.HasField("kv_transfer_params") else None)
-            async with aclosing(worker.generate(engine_request, handle)) as outputs:
+            peer = (PeerHint(request.peer_kv.address, request.peer_kv.num_blocks)
+                    if request.HasField("peer_kv") and handle is None else None)
+            async with aclosing(worker.generate(engine_request, handle, peer)) as outputs:
                 async for out in outputs:
                     chunk = pb.TokenChunk(
                         request_id=rid, token_ids=out.new_token_ids,
@@ -77,3 +80,4 @@ class DecodeServicer(EngineServicerBase[DecodeWorker], engine_pb2_grpc.DecodeSer
 
 def add_decode_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
     engine_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(runtime), server)
+    add_kv_peer_servicer(server, runtime)

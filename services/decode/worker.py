@@ -17,6 +17,11 @@
 
 Without a handle the request goes straight to the engine, which prefills it here
 (conditional disaggregation; also failover: prompt + tokens generated so far recomputed).
+With a peer hint instead (`PeerHint`, the peer tier: docs/kv-tiers.md) the prefix a peer
+holds is pinned there (PinKV) and fetched like a prefill's KV; the rest is computed here.
+A peer that cannot pin, or fails mid-fetch, costs a recompute here, never the request.
+
+The decode instance also holds KV for its peers (`KVHolding`: PinKV, FetchKV, ReleaseKV).
 The scheduler owns the request's blocks from the moment it is added: it frees them when the
 request finishes or is aborted (after the receive writing them ends). A failed transfer
 aborts the engine request; Generate raises the transfer's status. States and block owners:
@@ -31,13 +36,15 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
 from pdserve.services.common.errors import ServiceError
+from pdserve.services.common.kv_holding import KVHolding
 from pdserve.services.common.lora import check_kv_adapter
+from pdserve.services.common.lora_modules import adapter_to_proto
 from pdserve.services.common.state_feed import TransferView
-from pdserve.services.common.worker import EngineWorker
 from pdserve.services.decode.kv_fetcher import KVFetcher
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.kv_transfer.params import KVHandle, RemotePrefill
@@ -46,6 +53,14 @@ from pdserve.shared.request import FinishReason, Request
 from pdserve.shared.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class PeerHint(NamedTuple):
+    """A peer that holds the prompt's first `num_blocks` full blocks (the gateway's
+    placement, from the prefix index)."""
+
+    address: str
+    num_blocks: int
 
 
 @dataclass(slots=True)
@@ -66,14 +81,13 @@ class _Stream:
     latency (not observed)."""
 
 
-class DecodeWorker(EngineWorker):
+class DecodeWorker(KVHolding):
     role = "decode"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fetcher = KVFetcher(self.engine_core.model_runner.kv_caches, self.config,
                                  self.metrics, self.engine.tracer)
-        self.kv_connector = self.engine_core.kv_connector
         self._streams: dict[str, _Stream] = {}
         self._num_waiting = 0
         """Generate calls with no output yet (bounded by max_waiting_requests)."""
@@ -137,9 +151,10 @@ class DecodeWorker(EngineWorker):
             raise ValueError(f"kv_transfer_params.block_hashes: block {i} does not match the "
                              "prompt (another prompt, model or cache_salt)")
 
-    async def generate(self, request: Request,
-                       handle: KVHandle | None) -> AsyncIterator[EngineCoreOutput]:
-        """Decode `request` (transferring its prompt's KV first when `handle` is given).
+    async def generate(self, request: Request, handle: KVHandle | None,
+                       peer: PeerHint | None = None) -> AsyncIterator[EngineCoreOutput]:
+        """Decode `request` (transferring its prompt's KV first when `handle` is given, or
+        the prefix `peer` holds when no handle is).
 
         Raises (before the first output):
             ValueError: a bad handle. ServiceError: ALREADY_EXISTS, RESOURCE_EXHAUSTED (the
@@ -156,6 +171,8 @@ class DecodeWorker(EngineWorker):
                                    "later or elsewhere")
             stream = self._streams[request_id] = _Stream(request, handle)
             try:
+                if handle is None and peer is not None:
+                    stream.handle = await self._pin_peer(request, peer)
                 async with aclosing(self._decode(stream)) as outputs:
                     async for output in outputs:
                         yield output
@@ -168,6 +185,7 @@ class DecodeWorker(EngineWorker):
 
     async def _decode(self, stream: _Stream) -> AsyncIterator[EngineCoreOutput]:
         request, handle = stream.request, stream.handle
+        local_prompt = handle is None or handle.peer
         arrival = last = time.monotonic()
         num_generated = 0
         waiting = True
@@ -190,7 +208,7 @@ class DecodeWorker(EngineWorker):
                     if num_generated == 0:
                         waiting = False
                         self._num_waiting -= 1
-                        if handle is None:
+                        if local_prompt:
                             self.metrics.first_token(now - arrival)
                     elif not stream.paused_since_token:
                         self.metrics.inter_token(now - last)
@@ -200,7 +218,7 @@ class DecodeWorker(EngineWorker):
                     if delta.finished:
                         self.metrics.request_finished(
                             delta.finish_reason.value,
-                            request.num_prompt_tokens if handle is None else 0,
+                            request.num_prompt_tokens if local_prompt else 0,
                             num_generated, now - arrival)
                     yield delta
         finally:
@@ -224,7 +242,8 @@ class DecodeWorker(EngineWorker):
         self.kv_connector.expect_recv(
             request.request_id,
             lambda ids, hit: loop.call_soon_threadsafe(_set_result, allocated, (ids, hit)))
-        request.kv_transfer_params = RemotePrefill(handle.num_tokens)
+        request.kv_transfer_params = RemotePrefill(handle.num_tokens,
+                                                   recompute_on_failure=handle.peer)
         transfer = loop.create_task(self._receive(stream, handle, allocated))
 
         def on_done(task: asyncio.Task) -> None:
@@ -232,8 +251,11 @@ class DecodeWorker(EngineWorker):
                 if self._blocks_in_flight.get(block_hash) is done:
                     del self._blocks_in_flight[block_hash]
             done.set_result(None)
-            if task.cancelled() or task.exception() is not None:
+            failed = task.cancelled() or task.exception() is not None
+            if failed and not (handle.peer and not task.cancelled()):
                 self.engine.request_abort([request.request_id])  # its ABORT ends the stream
+            # NOTE: a peer's failed fetch is recomputed here (the scheduler's
+            # recompute_on_failure): not the request's failure.
 
         transfer.add_done_callback(on_done)
         return transfer
@@ -252,8 +274,17 @@ class DecodeWorker(EngineWorker):
             try:
                 if missing:
                     await self.fetcher.fetch(request_id, handle.prefill_address, missing,
-                                             [block_ids[i] for i in missing])
+                                             [block_ids[i] for i in missing], handle.peer)
                 ok = True
+            except ServiceError as e:
+                if not handle.peer:
+                    raise
+                logger.warning("[%s] fetch from peer %s failed (%s): computing the prompt "
+                               "here", request_id, handle.prefill_address, e)
+                self.metrics.tier_metrics().peer_fetched(len(missing), 0, "fetch")
+            else:
+                if handle.peer:
+                    self.metrics.tier_metrics().peer_fetched(len(missing), len(missing))
             finally:
                 # Our blocks hold the KV now (or the transfer failed): the prefill's pin has
                 # served its purpose, whatever the decode does next.
@@ -288,13 +319,42 @@ class DecodeWorker(EngineWorker):
         if stream.handle is None or stream.released:
             return
         stream.released = True
-        self.spawn(self.fetcher.release(stream.request.request_id, stream.handle.prefill_address))
+        self.spawn(self.fetcher.release(stream.request.request_id, stream.handle.prefill_address,
+                                        stream.handle.peer))
+
+    async def _pin_peer(self, request: Request, peer: PeerHint) -> KVHandle | None:
+        """PinKV at `peer` for the prompt's first k full blocks (k: the hint's, leaving at
+        least two prompt tokens to compute here), checked as a prefill's handle; None
+        (the prompt is computed here) when the peer cannot, logged and counted."""
+        bs = self.block_size
+        k = min(peer.num_blocks, (request.num_prompt_tokens - 2) // bs)
+        if k <= 0 or peer.address == self.identity.address:
+            return None
+        lora = request.lora_request
+        try:
+            handle = await self.fetcher.pin(
+                request.request_id, peer.address, request.prompt_token_ids[:k * bs + 1],
+                request.cache_salt, None if lora is None else adapter_to_proto(lora))
+        except ServiceError as e:
+            logger.warning("[%s] %s: computing the prompt here", request.request_id, e)
+            self.metrics.tier_metrics().peer_fetched(k, 0, "pin")
+            return None
+        try:
+            self.check_handle(request, handle)
+        except (ValueError, ServiceError) as e:
+            logger.warning("[%s] peer %s pinned KV this instance cannot take (%s): computing "
+                           "the prompt here", request.request_id, peer.address, e)
+            self.metrics.tier_metrics().peer_fetched(k, 0, "pin")
+            self.spawn(self.fetcher.release(request.request_id, peer.address, True))
+            return None
+        return handle
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         aborted = {r for r in request_ids if r in self._streams}
         for request_id in aborted:
             self._streams[request_id].aborted = True
         aborted.update(self.engine.request_abort(request_ids))
+        aborted.update(self.close_held(request_ids))
         return sorted(aborted)
 
     async def set_paused(self, request_ids: list[str], paused: bool) -> list[str]:
@@ -310,8 +370,9 @@ class DecodeWorker(EngineWorker):
 
     def transfers(self) -> list[TransferView]:
         now = time.monotonic()
-        return [TransferView(rid, "receive", address, num_blocks, now - start)
-                for rid, (address, num_blocks, start) in self.fetcher.in_flight.items()]
+        return super().transfers() + [
+            TransferView(rid, "receive", address, num_blocks, now - start)
+            for rid, (address, num_blocks, start) in self.fetcher.in_flight.items()]
 
     async def close(self) -> None:
         await super().close()

@@ -26,6 +26,7 @@ from pdserve.services.gateway.federation import MetricsFederation
 from pdserve.services.gateway.lora import LoRAView
 from pdserve.services.gateway.metrics import GatewayMetrics
 from pdserve.services.gateway.middleware import GatewayMiddleware
+from pdserve.services.gateway.peer_tier import PeerFetchCost
 from pdserve.services.gateway.placement import InstanceRegistry, Placer
 from pdserve.services.gateway.registry_view import RegistryView
 from pdserve.services.gateway.response_store import open_response_store
@@ -90,7 +91,10 @@ def build_app(config: GatewayConfig, channels: ChannelPool | None = None,
     placer = Placer(config.prefill_urls, config.decode_urls, registry,
                     config.local_prefill_threshold,
                     max_prefill_queue_size=config.max_prefill_queue_size,
-                    in_flight=channels.in_flight)
+                    in_flight=channels.in_flight,
+                    peer_cost=PeerFetchCost(config.kv_peer_bandwidth,
+                                            config.kv_peer_prefill_rate,
+                                            config.kv_peer_overhead))
     engine = EngineClient(config, channels, placer)
     lora = engine.lora = LoRAView(channels, placer, config.served_model_name)
     metrics = GatewayMetrics()

@@ -19,13 +19,13 @@ CHAT_TEMPLATES_DIR = os.path.join(os.path.dirname(__file__), "chat_templates")
 
 # GatewayConfig fields that must be > 0 / >= 0 (0: "no limit" or "none allowed").
 _POSITIVE = ("request_timeout", "rpc_timeout", "health_check_interval", "max_body_size",
-             "max_n", "block_size", "responses_ttl")
+             "max_n", "block_size", "responses_ttl", "kv_peer_bandwidth")
 _NON_NEGATIVE = ("max_request_retries", "max_num_queued_requests", "max_queued_tokens",
                  "max_logprobs", "max_stop_strings", "max_stop_string_length",
                  "local_prefill_threshold", "max_prefill_queue_size", "grace_period",
                  "max_stream_backlog",
                  "socket_send_buffer", "stream_pause_bytes", "stream_resume_bytes",
-                 "max_stream_pause_s")
+                 "max_stream_pause_s", "kv_peer_prefill_rate", "kv_peer_overhead")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,12 @@ class GatewayConfig:
     """Prefill requests this gateway may have in flight at one prefill instance; a prompt
     placed while the chosen one has this many is prefilled on its decode instance instead
     (NVIDIA Dynamo's `max_prefill_queue_size`). 0: no bound."""
+    kv_peer_bandwidth: float = 1e9
+    """The peer tier (services/gateway/peer_tier.py): bytes per second between instances."""
+    kv_peer_prefill_rate: float = 2000.0
+    """Prompt tokens per second an instance prefills; 0: no peer fetches."""
+    kv_peer_overhead: float = 0.02
+    """Seconds one peer fetch costs besides its bytes."""
     runner: str = "generate"
     """"pooling": the engines serve an embedding model (--runner pooling: /v1/embeddings,
     /pooling, /score, /rerank on the prefill instances, no decode); "generate": text."""
@@ -223,6 +229,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "each key is a prefix-cache tenant")
     _number(g, "--local-prefill-threshold", int, 0)
     _number(g, "--max-prefill-queue-size", int, 0)
+    _number(g, "--kv-peer-bandwidth", float, 1e9,
+            "the peer tier: bytes/s between instances (fetch a prefix a peer holds when that "
+            "beats computing it)")
+    _number(g, "--kv-peer-prefill-rate", float, 2000.0,
+            "the peer tier: prompt tokens/s one instance prefills (0: never fetch from a peer)")
+    _number(g, "--kv-peer-overhead", float, 0.02,
+            "the peer tier: seconds one fetch costs besides its bytes")
     _number(g, "--request-timeout", float, 600)
     _number(g, "--rpc-timeout", float, 5)
     _number(g, "--max-body-size", int, 16 << 20)

@@ -20,7 +20,10 @@ the static `--prefill-url` / `--decode-url` lists. Per docs/services-contracts.m
    would never be placed on;
 2. break ties by load: the instance's `num_running + num_waiting` plus the requests this
    gateway has in flight there;
-3. if the prompt's part not cached on the chosen decode instance is shorter than
+3. the peer tier: when another instance (either role) holds more leading blocks than the
+   instance that will compute the prompt and fetching them beats computing them
+   (`peer_tier.choose_peer`), the placement names it (`Placement.peer`);
+4. if the prompt's part not cached on the chosen decode instance is shorter than
    `local_prefill_threshold` tokens (or no prefill instance exists), skip the prefill
    instance: the decode instance prefills locally (conditional disaggregation); so it does
    when this gateway already has `max_prefill_queue_size` prefills in flight at the chosen
@@ -42,6 +45,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from pdserve.services.gateway.in_flight import InFlight
+from pdserve.services.gateway.peer_tier import Holder, PeerFetchCost, PeerKV, choose_peer
 from pdserve.shared.kv_cache.prefix_hash import ExtraKey, block_extra_keys, hash_request_tokens
 from pdserve.shared.lora.request import LoRARequest
 
@@ -80,12 +84,16 @@ class Candidate(NamedTuple):
     instance_id: str
     load: int
     num_cached_blocks: int
+    kv_block_bytes: int = 0
 
 
 class Placement(NamedTuple):
     prefill_address: str | None
     """None: the decode instance prefills the prompt itself."""
     decode_address: str
+    peer: PeerKV | None = None
+    """An instance (either role) holding more of the prompt than the one that computes it,
+    worth fetching from (services/gateway/peer_tier.py); None: compute what is not cached."""
 
 
 class PromptHashes:
@@ -114,7 +122,7 @@ class Placer:
     def __init__(self, prefill_urls: Sequence[str] = (), decode_urls: Sequence[str] = (),
                  registry: InstanceRegistry | None = None, local_prefill_threshold: int = 0,
                  health: HealthView | None = None, max_prefill_queue_size: int = 0,
-                 in_flight: InFlight | None = None):
+                 in_flight: InFlight | None = None, peer_cost: PeerFetchCost | None = None):
         self.prefill_urls = tuple(prefill_urls)
         self.health = health
         self.decode_urls = tuple(decode_urls)
@@ -128,6 +136,10 @@ class Placer:
         pool: services/gateway/in_flight.py)."""
         self._last_live: dict[str, list[Any]] = {}
         self._registry_warned = False
+        self.peer_cost = PeerFetchCost() if peer_cost is None else peer_cost
+        """The peer tier's rule (prefill_rate 0: off)."""
+        self.num_peer_hints = 0
+        """Placements that named a peer to fetch a prefix from."""
 
     async def _live(self, role: str) -> list[Any]:
         """Live instances of `role` (the RegistryView answers from memory); while the
@@ -159,7 +171,8 @@ class Placer:
         if live:
             return [Candidate(i.address, i.instance_id,
                               int(i.num_running) + int(i.num_waiting) + self.in_flight[i.address],
-                              cached.get(i.instance_id, 0)) for i in live]
+                              cached.get(i.instance_id, 0),
+                              int(getattr(i, "kv_block_bytes", 0) or 0)) for i in live]
         static = self.prefill_urls if role == "prefill" else self.decode_urls
         return [Candidate(a, a, self.in_flight[a], 0) for a in static]
 
@@ -221,20 +234,37 @@ class Placer:
                      candidates, decode)
         if decode is None:
             return None
+        prefills = [c for c in self._usable(await self._candidates("prefill", cached))
+                    if c.address not in avoid]
         if local_prefill:
-            return Placement(None, decode.address)
+            return self._with_peer(Placement(None, decode.address), decode, usable + prefills,
+                                   avoid, block_size)
         uncached = len(prompt_token_ids) - decode.num_cached_blocks * block_size
-        prefill = self._best([c for c in self._usable(await self._candidates("prefill", cached))
-                              if c.address not in avoid
-                              and (prefer is None or c.address in prefer)],
+        prefill = self._best([c for c in prefills if prefer is None or c.address in prefer],
                              len(prompt_token_ids), block_size)
         if prefill is None or uncached < self.local_prefill_threshold:
-            return Placement(None, decode.address)
-        if self.max_prefill_queue_size and \
+            placement, computing = Placement(None, decode.address), decode
+        elif self.max_prefill_queue_size and \
                 self.in_flight[prefill.address] >= self.max_prefill_queue_size:
             self.num_local_by_load += 1
-            return Placement(None, decode.address)
-        return Placement(prefill.address, decode.address)
+            placement, computing = Placement(None, decode.address), decode
+        else:
+            placement, computing = Placement(prefill.address, decode.address), prefill
+        return self._with_peer(placement, computing, usable + prefills, avoid, block_size)
+
+    def _with_peer(self, placement: Placement, computing: Candidate,
+                   holders: list[Candidate], avoid: Collection[str],
+                   block_size: int) -> Placement:
+        """`placement` with the peer tier's hint for the instance that computes the prompt
+        (peer_tier.choose_peer); instances this request failed on are never asked."""
+        peer = choose_peer((Holder(c.address, c.num_cached_blocks, c.kv_block_bytes)
+                            for c in holders if c.address not in avoid),
+                           computing.address, computing.num_cached_blocks, block_size,
+                           self.peer_cost)
+        if peer is None:
+            return placement
+        self.num_peer_hints += 1
+        return placement._replace(peer=peer)
 
     async def place_prefill(self, prompt_token_ids: Sequence[int], *, model_name: str,
                             block_size: int, cache_salt: str | None = None,

@@ -4,6 +4,8 @@
        └─ finish_reason set: done (the prefill instance freed the blocks; no decode call)
     no prefill instance (uncached part < local_prefill_threshold, or a failover):
        decode.Generate without kv_transfer_params (the decode prefills itself)
+    either way, a peer holding more of the prompt (`Placement.peer`): its hint goes to the
+       instance computing the prompt (PeerKV; docs/kv-tiers.md)
 
 Any way out before the engine reports a finish (client gone, stop string hit, error) cancels
 the open call and sends Abort to every instance it touched but the one that failed, so all
@@ -109,7 +111,8 @@ async def prefill_then_decode(
                     sampling_params=decode_req.sampling_params,
                     cache_salt=decode_req.cache_salt,
                     lora_request=decode_req.lora_request
-                    if decode_req.HasField("lora_request") else None), request_id)
+                    if decode_req.HasField("lora_request") else None,
+                    peer_kv=_peer_kv(placement)), request_id)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRIABLE_PREFILL:
                     raise _adapter_gone(e, decode_req) or from_grpc_error(e, "Prefill") from None
@@ -124,6 +127,10 @@ async def prefill_then_decode(
                 return
             decode_req.output_token_ids.append(resp.first_token_id)
             decode_req.kv_transfer_params.CopyFrom(resp.kv_transfer_params)
+        elif (peer_kv := _peer_kv(placement)) is not None:
+            decode_req.peer_kv.CopyFrom(peer_kv)
+        else:
+            decode_req.ClearField("peer_kv")  # a retry's placement may name none
         address = placement.decode_address
         used.append((address, "decode"))
         try:
@@ -177,6 +184,13 @@ def _adapter_gone(error: grpc.aio.AioRpcError,
                 and "is not loaded" in details)):
         return None
     return model_not_found(decode_req.lora_request.lora_name)
+
+
+def _peer_kv(placement: Placement) -> engine_pb2.PeerKV | None:
+    """The placement's peer-tier hint for the instance computing the prompt."""
+    peer = placement.peer
+    return None if peer is None else engine_pb2.PeerKV(address=peer.address,
+                                                       num_blocks=peer.num_blocks)
 
 
 def _stop_reason(message: engine_pb2.PrefillResponse | engine_pb2.TokenChunk) -> int | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from contextlib import aclosing
 
 import grpc
 
@@ -15,18 +14,17 @@ from pdserve.services.common.convert import (
     sampling_params_from_proto,
 )
 from pdserve.services.common.errors import abort_with
+from pdserve.services.common.kv_peer_servicer import KVHoldingRPCs, add_kv_peer_servicer
 from pdserve.services.common.server import ServiceRuntime
-from pdserve.services.common.servicer import EngineServicerBase
 from pdserve.services.prefill.pooling import pool
 from pdserve.services.prefill.worker import PrefillWorker
 from pdserve.services.proto import engine_pb2 as pb
 from pdserve.services.proto import engine_pb2_grpc
-from pdserve.shared.kv_transfer.codec import KVChunkData
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.PrefillServiceServicer):
+class PrefillServicer(KVHoldingRPCs, engine_pb2_grpc.PrefillServiceServicer):
     worker_type = PrefillWorker
 
     async def Prefill(self, request: pb.PrefillRequest,
@@ -76,35 +74,7 @@ class PrefillServicer(EngineServicerBase[PrefillWorker], engine_pb2_grpc.Prefill
                                num_cached_tokens=out.num_cached_tokens,
                                pooling_type=params.pooling_type if params else "")
 
-    async def FetchKV(self, request: pb.FetchKVRequest,
-                      context: grpc.aio.ServicerContext) -> None:
-        # NOTE: a coroutine writing with context.write, not an async generator: when the
-        # client cancels, CancelledError lands in this frame and `aclosing` ends the stream
-        # (and its pin bookkeeping) at once, instead of whenever the generator is collected.
-        rid = request.request_id
-
-        def encode(c: KVChunkData) -> pb.KVChunk:  # runs in the worker's gather thread
-            return pb.KVChunk(request_id=rid, block_indices=c.block_indices, dtype=c.dtype,
-                              shape=c.shape, data=c.data, layer_start=c.layer_start)
-
-        try:
-            worker = self._worker()
-            async with aclosing(worker.fetch_kv(rid, list(request.block_indices),
-                                                encode)) as messages:
-                async for message in messages:
-                    await context.write(message)
-        except Exception as e:
-            await abort_with(context, e, rid, "FetchKV")
-
-    async def ReleaseKV(self, request: pb.ReleaseKVRequest,
-                        context: grpc.aio.ServicerContext) -> pb.ReleaseKVResponse:
-        try:
-            released = await self._worker().release(request.request_id)
-        except Exception as e:
-            await abort_with(context, e, request.request_id, "ReleaseKV")
-        logger.debug("[%s] ReleaseKV: released=%s", request.request_id, released)
-        return pb.ReleaseKVResponse(released=released)
-
 
 def add_prefill_servicer(server: grpc.aio.Server, runtime: ServiceRuntime) -> None:
     engine_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(runtime), server)
+    add_kv_peer_servicer(server, runtime)

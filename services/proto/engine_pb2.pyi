@@ -173,19 +173,29 @@ class LoRAAdapterList(_message.Message):
     adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
     def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
+class PeerKV(_message.Message):
+    __slots__ = ("address", "num_blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    num_blocks: int
+    def __init__(self, address: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "lora_request")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "cache_salt", "lora_request", "peer_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PEER_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: SamplingParams
     cache_salt: str
     lora_request: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_request: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    peer_kv: PeerKV
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_request: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., peer_kv: _Optional[_Union[PeerKV, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprobs", "kv_transfer_params", "num_cached_tokens", "finish_reason", "prompt_logprobs", "stop_reason")
@@ -243,6 +253,24 @@ class ReleaseKVResponse(_message.Message):
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
+class PinKVRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "lora_request")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    lora_request: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_request: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class PinKVResponse(_message.Message):
+    __slots__ = ("kv_transfer_params",)
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    kv_transfer_params: KVTransferParams
+    def __init__(self, kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+
 class PoolRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "cache_salt", "normalize")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -270,7 +298,7 @@ class PoolResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[float]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., pooling_type: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "kv_transfer_params", "cache_salt", "lora_request")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling_params", "kv_transfer_params", "cache_salt", "lora_request", "peer_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +306,7 @@ class DecodeRequest(_message.Message):
     KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PEER_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -285,7 +314,8 @@ class DecodeRequest(_message.Message):
     kv_transfer_params: KVTransferParams
     cache_salt: str
     lora_request: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_request: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    peer_kv: PeerKV
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[KVTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_request: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., peer_kv: _Optional[_Union[PeerKV, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "finish_reason", "num_cached_tokens", "prompt_logprobs", "stop_reason")

@@ -25,6 +25,167 @@ if _version_not_supported:
     )
 
 
+class KVPeerServiceStub:
+    """Served by every engine instance, prefill and decode: the peer tier.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PinKV = channel.unary_unary(
+                '/pdserve.v1.KVPeerService/PinKV',
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PinKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PinKVResponse.FromString,
+                _registered_method=True)
+        self.FetchKV = channel.unary_stream(
+                '/pdserve.v1.KVPeerService/FetchKV',
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.KVChunk.FromString,
+                _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/pdserve.v1.KVPeerService/ReleaseKV',
+                request_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
+
+
+class KVPeerServiceServicer:
+    """Served by every engine instance, prefill and decode: the peer tier.
+    """
+
+    def PinKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVPeerServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PinKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinKV,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PinKVRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.PinKVResponse.SerializeToString,
+            ),
+            'FetchKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchKV,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.FetchKVRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.KVChunk.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.KVPeerService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.KVPeerService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVPeerService:
+    """Served by every engine instance, prefill and decode: the peer tier.
+    """
+
+    @staticmethod
+    def PinKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVPeerService/PinKV',
+            pdserve_dot_services_dot_proto_dot_engine__pb2.PinKVRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.PinKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.KVPeerService/FetchKV',
+            pdserve_dot_services_dot_proto_dot_engine__pb2.FetchKVRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVPeerService/ReleaseKV',
+            pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVRequest.SerializeToString,
+            pdserve_dot_services_dot_proto_dot_engine__pb2.ReleaseKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class PrefillServiceStub:
     """Missing associated documentation comment in .proto file."""
 

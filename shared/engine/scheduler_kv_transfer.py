@@ -6,7 +6,8 @@
              ──receive done──▶ num_computed_tokens set, blocks cached ──▶ WAITING (scheduled
              like any request); aborted while its blocks are written ──▶ aborted_recving,
              freed when the receive ends; a failed receive leaves it for the service to
-             abort
+             abort, unless the KV came from a peer (`recompute_on_failure`): blocks freed,
+             WAITING to compute its prompt here
     tiers:   a waiting request whose prefix goes on past the pool's hits on disk ──start_load
              ──▶ loading (blocks allocated, not cached) ──load done──▶ the loaded blocks
              cached; all loaded: num_computed_tokens set, WAITING with its blocks; fewer
@@ -185,9 +186,22 @@ class KVTransferTracker:
         for request_id, ok in received.items():
             if (request := self.aborted_recving.pop(request_id, None)) is not None:
                 kv.free(request)
-            elif ok and (request := self.waiting_for_remote_kvs.pop(request_id, None)):
-                assert isinstance(request.kv_transfer_params, RemotePrefill)
-                num_computed = request.kv_transfer_params.num_computed_tokens
+                continue
+            request = self.waiting_for_remote_kvs.get(request_id)
+            params = None if request is None else request.kv_transfer_params
+            if not isinstance(params, RemotePrefill) or not (ok or params.recompute_on_failure):
+                continue  # a failed receive: the service aborts the request
+            del self.waiting_for_remote_kvs[request_id]
+            assert request is not None
+            if not ok:  # a peer's KV that did not arrive: compute the prompt here
+                kv.free(request)
+                request.num_computed_tokens = 0
+                request.num_external_computed_tokens = 0
+                request.kv_transfer_params = None
+                request.status = RequestStatus.WAITING
+                ready.append(request)
+            else:
+                num_computed = params.num_computed_tokens
                 request.num_computed_tokens = num_computed
                 # NOTE: blocks out of a sliding window hold what the sender's freed blocks
                 # held: freed here before caching, never cached.

@@ -30,6 +30,9 @@ class RemotePrefill:
     num_computed_tokens: int = 0
     """Set by the scheduler when it allocates the blocks (0 before): max(num_tokens, the
     local prefix hit), the request's num_computed_tokens once the receive ends."""
+    recompute_on_failure: bool = False
+    """A failed receive frees the blocks and the request computes its prompt here (the KV
+    came from a peer: an optional tier), instead of waiting for the service's abort."""
 
 
 class HeldBlocks(NamedTuple):
@@ -61,6 +64,10 @@ class KVHandle(NamedTuple):
     refuses KV of another adapter than its request's."""
     lora_int_id: int = 0
     """That adapter's id (0: the base model)."""
+    peer: bool = False
+    """Held by a peer for us (PinKV, the peer tier), not by a prefill for its decode: read
+    over KVPeerService, and a failed fetch is recomputed here (not the request's failure).
+    Never on the wire."""
 
     @property
     def num_blocks(self) -> int:

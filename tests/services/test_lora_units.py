@@ -22,7 +22,7 @@ from pdserve.services.common.lora_modules import (
 )
 from pdserve.services.gateway.errors import GatewayError
 from pdserve.services.gateway.lora import LoRAView
-from pdserve.services.gateway.placement import Placer, request_extra_keys
+from pdserve.services.gateway.placement import Placement, Placer, request_extra_keys
 from pdserve.services.launcher.config import config_from_args
 from pdserve.services.launcher.plan import build_plan
 from pdserve.services.proto import engine_pb2 as pb
@@ -147,13 +147,13 @@ async def test_placement_prefers_instances_with_the_adapter():
     placer = Placer(registry=_Registry([_instance("p1", "prefill"), _instance("p2", "prefill", 5),
                                         _instance("d1", "decode"), _instance("d2", "decode", 5)]))
     base = await placer.place([1] * 40, model_name="m", block_size=16)
-    assert base == ("p1", "d1")  # least loaded
+    assert base == Placement("p1", "d1")  # least loaded
     with_adapter = await placer.place([1] * 40, model_name="m", block_size=16,
                                       prefer={"p2", "d2"})
-    assert with_adapter == ("p2", "d2")
+    assert with_adapter == Placement("p2", "d2")
     # No prefill instance has it: the decode prefills the prompt itself.
     assert await placer.place([1] * 40, model_name="m", block_size=16,
-                              prefer={"d2"}) == (None, "d2")
+                              prefer={"d2"}) == Placement(None, "d2")
 
 
 class _Channels:
