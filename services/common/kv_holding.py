@@ -61,15 +61,16 @@ class KVHolding(EngineWorker):
 
     async def hold(self, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, cache_salt: str | None,
-                   lora_request: LoRARequest | None = None, count: bool = True
-                   ) -> tuple[EngineCoreOutput, KVHandle | None]:
+                   lora_request: LoRARequest | None = None, count: bool = True,
+                   peer: Any = None) -> tuple[EngineCoreOutput, KVHandle | None]:
         """Compute the prompt's KV (what the prefix cache lacks), sample the first token.
 
         Returns:
             The engine's output with the first token and the client's finish reason (None
             when the request goes on in a decode); and, when it goes on, the `KVHandle` of
             the blocks held for the decode (else None). `count`: observe it in the metrics
-            as a prefill (a pin is not one).
+            as a prefill (a pin is not one). `peer`: a peer holding the prompt's prefix
+            (`kv_receiving.PeerHint`): fetched from it first (`_receive_peer`).
 
         Raises:
             ValueError: a bad prompt (the engine's message).
@@ -87,13 +88,17 @@ class KVHolding(EngineWorker):
                                             min_tokens=min(params.min_tokens, 1))
         request = Request(request_id, list(prompt_token_ids), engine_params,
                           eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                          lora_request=lora_request)
+                          lora_request=lora_request, block_hasher=None if peer is None
+                          else self.engine_core.kv_cache_manager.block_hasher)
         # A request that cannot go on past its first token asks for no transfer.
         if not at_length_limit(params, self.max_model_len, request.num_prompt_tokens, 1):
             request.kv_transfer_params = RemoteDecode()
         arrival = time.monotonic()
         with self.active(request_id, "is already prefilled or in progress"):
+            receive = None
             try:
+                if peer is not None:
+                    receive = await self._receive_peer(request, peer)
                 last = None
                 async for delta in self.engine.generate(request):
                     last = delta
@@ -123,6 +128,17 @@ class KVHolding(EngineWorker):
                 # gone or finished and held for a transfer nobody will fetch now.
                 self._close(request_id)
                 raise
+            finally:
+                if receive is not None:
+                    await self._end_receive(receive)
+
+    async def _receive_peer(self, request: Request, peer: Any) -> Any:
+        """Start fetching the prefix `peer` holds into `request`'s blocks (KVReceiving);
+        the receive, or None (the prompt is computed here)."""
+        raise NotImplementedError("this worker takes no KV from peers")
+
+    async def _end_receive(self, receive: Any) -> None:
+        """The request is done: end its receive and release the peer's pin."""
 
     async def pin(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None,
                   lora_request: LoRARequest | None = None) -> KVHandle:

@@ -15,6 +15,7 @@ from pdserve.services.common.convert import (
 )
 from pdserve.services.common.errors import abort_with
 from pdserve.services.common.kv_peer_servicer import KVHoldingRPCs, add_kv_peer_servicer
+from pdserve.services.common.kv_receiving import PeerHint
 from pdserve.services.common.server import ServiceRuntime
 from pdserve.services.prefill.pooling import pool
 from pdserve.services.prefill.worker import PrefillWorker
@@ -37,8 +38,10 @@ class PrefillServicer(KVHoldingRPCs, engine_pb2_grpc.PrefillServiceServicer):
             params = sampling_params_from_proto(request.sampling_params)
             lora = worker.lora.resolve(request.lora_request
                                        if request.HasField("lora_request") else None)
+            peer = (PeerHint(request.peer_kv.address, request.peer_kv.num_blocks)
+                    if request.HasField("peer_kv") else None)
             out, handle = await worker.prefill(rid, list(request.prompt_token_ids), params,
-                                       request.cache_salt or None, lora)
+                                               request.cache_salt or None, lora, peer)
         except Exception as e:
             await abort_with(context, e, rid, "Prefill")
         first_token_id = out.new_token_ids[0]

@@ -3,6 +3,7 @@
     Prefill ──▶ KVHolding.hold: engine request (max_tokens 1, RemoteDecode)
                   │ finished: the scheduler holds its blocks ──▶ KVHandle
     FetchKV / ReleaseKV / Abort / TTL: KVHolding (services/common/kv_holding.py)
+    PeerKV hint: the prefix a peer holds is fetched first (KVReceiving, the peer tier)
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from __future__ import annotations
 import grpc
 
 from pdserve.services.common.errors import ServiceError
-from pdserve.services.common.kv_holding import KVHolding
+from pdserve.services.common.kv_receiving import KVReceiving, PeerHint
 from pdserve.shared.engine.scheduler_output import EngineCoreOutput
 from pdserve.shared.kv_transfer.params import KVHandle
 from pdserve.shared.lora.request import LoRARequest
 from pdserve.shared.sampling_params import SamplingParams
 
 
-class PrefillWorker(KVHolding):
+class PrefillWorker(KVReceiving):
     role = "prefill"
 
     def __init__(self, *args, **kwargs) -> None:
@@ -27,10 +28,11 @@ class PrefillWorker(KVHolding):
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, cache_salt: str | None,
-                      lora_request: LoRARequest | None = None
+                      lora_request: LoRARequest | None = None, peer: PeerHint | None = None
                       ) -> tuple[EngineCoreOutput, KVHandle | None]:
         """Compute the prompt's KV, sample the first token and hold the blocks for the
-        decode (`KVHolding.hold`).
+        decode (`KVHolding.hold`); with `peer`, the prefix it holds is fetched from it
+        first (the peer tier).
 
         Raises:
             ValueError: a bad prompt (the engine's message).
@@ -41,7 +43,8 @@ class PrefillWorker(KVHolding):
             raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION,
                                "The model does not support generation: this instance runs "
                                "--runner pooling (Pool only)")
-        return await self.hold(request_id, prompt_token_ids, params, cache_salt, lora_request)
+        return await self.hold(request_id, prompt_token_ids, params, cache_salt, lora_request,
+                               peer=peer)
 
     async def abort(self, request_ids: list[str]) -> list[str]:
         """Abort prefills in flight and release finished ones, without waiting for the

@@ -197,10 +197,12 @@ class KVTransferTracker:
                 kv.free(request)
                 request.num_computed_tokens = 0
                 request.num_external_computed_tokens = 0
-                request.kv_transfer_params = None
+                request.kv_transfer_params = params.after
                 request.status = RequestStatus.WAITING
                 ready.append(request)
             else:
+                if params.after is not None:
+                    request.kv_transfer_params = params.after
                 num_computed = params.num_computed_tokens
                 request.num_computed_tokens = num_computed
                 # NOTE: blocks out of a sliding window hold what the sender's freed blocks

@@ -33,6 +33,9 @@ class RemotePrefill:
     recompute_on_failure: bool = False
     """A failed receive frees the blocks and the request computes its prompt here (the KV
     came from a peer: an optional tier), instead of waiting for the service's abort."""
+    after: RemoteDecode | None = None
+    """The request's kv_transfer_params once the receive ended (a prefill receiving a
+    peer's prefix: RemoteDecode, held for its decode when it finishes); None: unchanged."""
 
 
 class HeldBlocks(NamedTuple):

@@ -177,3 +177,27 @@ async def test_a_peer_that_dies_mid_fetch_costs_a_recompute(cluster, reference_l
     assert _peer_value(cluster, "kv_tier_failures_total", op="fetch") - failures == 1
     # The half-written block was never cached: the prompt's blocks now are the recompute's.
     await _clean(cluster)
+
+
+async def test_a_prefill_fetches_a_prefix_the_decode_holds(cluster, reference_llm):
+    """The prefill instance is told the decode holds the prompt's prefix: it fetches it
+    from there, computes the rest and hands the whole prompt's KV to the decode."""
+    prompt = _prompt(15)
+    want = _reference(reference_llm, prompt)
+    await cluster.decode_stub.Generate(pb.DecodeRequest(  # the decode computes and caches it
+        request_id="peer-warm-3", prompt_token_ids=prompt, sampling_params=greedy(2)),
+        timeout=60).read()
+    metrics = cluster.prefill.worker.metrics
+    before = metrics.value("kv_tier_loads_total", tier="peer")
+    resp = await cluster.prefill_stub.Prefill(pb.PrefillRequest(
+        request_id="peer-prefill", prompt_token_ids=prompt, sampling_params=greedy(NUM_TOKENS),
+        peer_kv=pb.PeerKV(address=cluster.decode.identity.address, num_blocks=9)),
+        timeout=60)
+    assert metrics.value("kv_tier_loads_total", tier="peer") - before == 10
+    req = pb.DecodeRequest(request_id="peer-prefill", prompt_token_ids=prompt,
+                           output_token_ids=[resp.first_token_id],
+                           sampling_params=greedy(NUM_TOKENS),
+                           kv_transfer_params=resp.kv_transfer_params)
+    chunks = [c async for c in cluster.decode_stub.Generate(req, timeout=60)]
+    assert [resp.first_token_id] + [t for c in chunks for t in c.token_ids] == want
+    await _clean(cluster)
