@@ -62,6 +62,12 @@ to connect before its one retry: past the largest reconnect backoff, so a prefil
 reachable again is found, and a gone one costs only this long."""
 
 
+PIN_TIMEOUT_S = 2.0
+"""Seconds a PinKV may take (at most the service's rpc_timeout): a pin queues in the
+holder's scheduler like any request, and a holder too busy to pin within this long is not
+worth waiting for (the prompt is computed here instead)."""
+
+
 class KVFetcher:
     def __init__(self, kv_caches: KVCaches, config: ServiceConfig,
                  metrics: ServiceMetrics, tracer: Tracer | None = None) -> None:
@@ -98,7 +104,7 @@ class KVFetcher:
             resp = await self._stub(address, peer=True).PinKV(
                 pb.PinKVRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                 cache_salt=cache_salt or "", lora_request=lora_request),
-                timeout=self.config.rpc_timeout,
+                timeout=min(PIN_TIMEOUT_S, self.config.rpc_timeout),
                 metadata=call_metadata(self.config.internal_token, request_id))
         except grpc.aio.AioRpcError as e:
             raise ServiceError(grpc.StatusCode.ABORTED, f"PinKV at peer {address} failed: "

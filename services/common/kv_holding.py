@@ -158,7 +158,10 @@ class KVHolding(EngineWorker):
         """
         # NOTE: max_tokens 2: as a client's request that goes on past its first token (the
         # engine request itself stops at one).
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        # The peer waits on it: first under --scheduling-policy priority.
+        policy = self.engine_core.scheduler.scheduler_config.scheduling_policy
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
+                                priority=-(1 << 20) if policy == "priority" else 0)
         _, handle = await self.hold(request_id, prompt_token_ids, params, cache_salt,
                                     lora_request, count=False)
         if handle is None:
