@@ -202,3 +202,36 @@ async def test_a_prefill_fetches_a_prefix_the_decode_holds(cluster, reference_ll
     chunks = [c async for c in cluster.decode_stub.Generate(req, timeout=60)]
     assert [resp.first_token_id] + [t for c in chunks for t in c.token_ids] == want
     await _clean(cluster)
+
+
+async def test_the_parity_prompts_with_a_peers_prefix_equal_the_engine(
+        cluster, reference_llm, parity_prompt_ids):
+    """The parity suite's prompts, each with its prefix fetched from the prefill instance
+    (under a cache_salt of their own, so that the decode holds none of their blocks)."""
+    from tests.conftest import NUM_PARITY_TOKENS
+
+    outs = reference_llm.generate([{"prompt_token_ids": ids} for ids in parity_prompt_ids],
+                                  SamplingParams(temperature=0.0, max_tokens=NUM_PARITY_TOKENS))
+    before = _peer_value(cluster, "kv_tier_loads_total")
+    expected_loads = 0
+    for i, prompt in enumerate(parity_prompt_ids):
+        salt = "peer-parity"
+        await cluster.prefill_stub.Prefill(pb.PrefillRequest(
+            request_id=f"peer-parity-warm-{i}", prompt_token_ids=prompt, cache_salt=salt,
+            sampling_params=greedy(2)), timeout=RPC_TIMEOUT)
+        await cluster.prefill_stub.ReleaseKV(
+            pb.ReleaseKVRequest(request_id=f"peer-parity-warm-{i}"), timeout=RPC_TIMEOUT)
+        num_blocks = (len(prompt) - 2) // 16
+        assert num_blocks >= 2
+        req = pb.DecodeRequest(request_id=f"peer-parity-{i}", prompt_token_ids=prompt,
+                               cache_salt=salt, sampling_params=greedy(NUM_PARITY_TOKENS),
+                               peer_kv=pb.PeerKV(address=cluster.prefill.identity.address,
+                                                 num_blocks=num_blocks))
+        chunks = [c async for c in cluster.decode_stub.Generate(req, timeout=60)]
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == list(outs[i].outputs[0].token_ids), i
+        # The first prompt's blocks; later ones share the chat template's first blocks.
+        if i == 0:
+            expected_loads = num_blocks + 1
+    assert _peer_value(cluster, "kv_tier_loads_total") - before >= expected_loads
+    await _clean(cluster)
