@@ -61,8 +61,9 @@ class InstanceMonitor:
         self.stats: EngineStats | None = None
         self.dirty = True
         """Redis may not match our cache: republish everything at the next chance."""
-        self._pending: dict[bytes, bool] = {}
-        """Net changes not yet written: block hash -> held (True) or removed (False)."""
+        self._pending: dict[bytes, str | None] = {}
+        """Net changes not yet written: block hash -> the tier holding it ("memory", "disk") or
+        None (removed)."""
         self._wake = asyncio.Event()
         """Set when there is something for the writer task to do."""
         self._tasks: list[asyncio.Task] = []
@@ -144,8 +145,8 @@ class InstanceMonitor:
                 return
             self._queue(held)
 
-    def _queue(self, held: dict[bytes, bool]) -> None:
-        """Queue each changed hash's state now (held in any tier of this instance)."""
+    def _queue(self, held: dict[bytes, str | None]) -> None:
+        """Queue each changed hash's state now (the tier of this instance holding it)."""
         if not self.dirty:  # else the resync's snapshot covers these events
             self._pending.update(held)
             if len(self._pending) > MAX_PENDING_HASHES:
@@ -186,8 +187,9 @@ class InstanceMonitor:
                     pending, self._pending = self._pending, {}
                     if not await self.index.publish(
                             self.worker.identity.instance_id,
-                            [h for h, held in pending.items() if held],
-                            [h for h, held in pending.items() if not held]):
+                            [h for h, tier in pending.items() if tier],
+                            [h for h, tier in pending.items() if not tier],
+                            [h for h, tier in pending.items() if tier == "disk"]):
                         self._drop(len(pending) + len(self._pending), "Redis did not take them")
             finally:
                 self.worker.metrics.redis_up(self.index.is_up)
@@ -219,36 +221,39 @@ class InstanceMonitor:
         if await self.index.register(self.info()) is None:
             return
         async with self._lock:  # no tick between the snapshot and the pending changes
-            hashes, events = await self.worker.engine.call(snapshot_hashes_op)
+            hashes, on_disk, events = await self.worker.engine.call(snapshot_hashes_op)
             if self.kv_events is not None:
                 self.kv_events.publish(events)
             self._pending = {}
             self.dirty = False
-        if await self.index.republish(instance_id, hashes):
+        if await self.index.republish(instance_id, hashes, on_disk):
             logger.info("prefix index: republished %d block hashes of %s", len(hashes),
                         instance_id)
         else:
             self.dirty = True
 
 
-def take_kv_events_op(engine) -> tuple[list[KVCacheEvent], dict[bytes, bool]]:
+def take_kv_events_op(engine) -> tuple[list[KVCacheEvent], dict[bytes, str | None]]:
     """The pool's KV events, then the disk tier's, since the last drain; and for each hash
-    they name, whether this instance holds it now in any tier (what the Redis index
-    records: a block moved from the pool to disk is still this instance's)."""
+    they name, the tier this instance holds it in now: "memory" (the pool), "disk" (the
+    disk tier only) or None (neither). The Redis index records both tiers: a block moved
+    from the pool to disk is still this instance's."""
     kv, off = engine.kv_cache_manager, engine.kv_offloader
     events = kv.take_events()
     if off is not None:
         events += off.take_events()
     cached = kv.block_pool.cached_block_hash_to_block
     disk = off.store if off is not None else ()
-    return events, {h: h in cached or h in disk for e in events for h in e.block_hashes}
+    return events, {h: "memory" if h in cached else "disk" if h in disk else None
+                    for e in events for h in e.block_hashes}
 
 
-def snapshot_hashes_op(engine) -> tuple[list[bytes], list[KVCacheEvent]]:
-    """Every hash this instance holds (pool and disk tier), and the pending events it
-    drains: the snapshot covers them for Redis, the KV events publisher still sends them."""
+def snapshot_hashes_op(engine) -> tuple[list[bytes], list[bytes], list[KVCacheEvent]]:
+    """Every hash this instance holds (pool and disk tier), those of them on disk only,
+    and the pending events it drains: the snapshot covers them for Redis, the KV events
+    publisher still sends them."""
     events, _ = take_kv_events_op(engine)
-    hashes = list(engine.kv_cache_manager.block_pool.cached_block_hash_to_block)
-    if engine.kv_offloader is not None:
-        hashes = list(dict.fromkeys(hashes + engine.kv_offloader.store.hashes()))
-    return hashes, events
+    cached = engine.kv_cache_manager.block_pool.cached_block_hash_to_block
+    on_disk = [] if engine.kv_offloader is None else [
+        h for h in engine.kv_offloader.store.hashes() if h not in cached]
+    return list(cached) + on_disk, on_disk, events

@@ -4,8 +4,10 @@ Keys (`{p}` is the key prefix, "pdserve" by default):
 
     {p}:instance:{instance_id}   string, JSON InstanceInfo, TTL `ttl` (the heartbeat)
     {p}:instances:{model}        set of instance ids that registered for the model
-    {p}:held:{instance_id}       set of 16-byte block hashes the instance holds cached
-                                 (TTL `ttl`, refreshed by the heartbeat)
+    {p}:held:{instance_id}       set of 16-byte block hashes the instance holds cached,
+                                 in any tier (TTL `ttl`, refreshed by the heartbeat)
+    {p}:held_disk:{instance_id}  the subset it holds on its disk tier only, not in its pool
+                                 (docs/kv-tiers.md; same TTL): the rest are in memory
     {p}:held_gen:{instance_id}   string, the held set's generation: a new value at every
                                  write of the set (TTL `ttl`), so readers copy a set only
                                  when it changed (`snapshot`)
@@ -213,40 +215,59 @@ class PrefixIndex:
                          get=True)
                 pipe.sadd(self.instances_key, info.instance_id)
                 pipe.pexpire(self._key("held", info.instance_id), ttl_ms)
+                pipe.pexpire(self._key("held_disk", info.instance_id), ttl_ms)
                 pipe.pexpire(self._key("held_gen", info.instance_id), ttl_ms)
                 previous, *_ = await pipe.execute()
             return previous is None
         return await self._call("register", op, None)
 
     async def publish(self, instance_id: str, added: Iterable[bytes],
-                      removed: Iterable[bytes]) -> bool:
-        """Apply a batch of cache changes (net effect: a hash is in at most one list).
+                      removed: Iterable[bytes], on_disk: Iterable[bytes] = ()) -> bool:
+        """Apply a batch of cache changes (net effect: a hash is in at most one of `added`
+        and `removed`); `on_disk`: the hashes of `added` held on the disk tier only (the
+        others are in the pool).
 
         Returns whether Redis took it; on False the caller republishes later.
         """
         added, removed = list(added), list(removed)
         if not added and not removed:
             return True
-        return await self._write_held("publish", instance_id, added, removed)
+        return await self._write_held("publish", instance_id, added, removed, list(on_disk))
 
-    async def republish(self, instance_id: str, block_hashes: Iterable[bytes]) -> bool:
-        """Replace everything published for `instance_id` with `block_hashes` (atomically)."""
-        return await self._write_held("republish", instance_id, list(block_hashes), None)
+    async def republish(self, instance_id: str, block_hashes: Iterable[bytes],
+                        on_disk: Iterable[bytes] = ()) -> bool:
+        """Replace everything published for `instance_id` with `block_hashes` (atomically),
+        `on_disk` of them on the disk tier only."""
+        return await self._write_held("republish", instance_id, list(block_hashes), None,
+                                      list(on_disk))
 
     async def _write_held(self, what: str, instance_id: str, added: list[bytes],
-                          removed: list[bytes] | None) -> bool:
+                          removed: list[bytes] | None, on_disk: list[bytes]) -> bool:
         """One transaction: drop `removed` (None: the whole set) from the held set, add
-        `added`, refresh its TTL and give it a new generation."""
+        `added`, record which are on disk only, refresh the TTLs and give the set a new
+        generation."""
+        def batches(hashes: list[bytes]):
+            return (hashes[i:i + _BATCH] for i in range(0, len(hashes), _BATCH))
+
         async def op() -> bool:
             key, ttl_ms = self._key("held", instance_id), int(self.ttl * 1000)
+            disk_key = self._key("held_disk", instance_id)
+            disk = set(on_disk)
             async with self._redis.pipeline(transaction=True) as pipe:
                 if removed is None:
-                    pipe.delete(key)
-                for i in range(0, len(removed or []), _BATCH):
-                    pipe.srem(key, *(removed or [])[i:i + _BATCH])
-                for i in range(0, len(added), _BATCH):
-                    pipe.sadd(key, *added[i:i + _BATCH])
+                    pipe.delete(key, disk_key)
+                for batch in batches(removed or []):
+                    pipe.srem(key, *batch)
+                    pipe.srem(disk_key, *batch)
+                for batch in batches(added):
+                    pipe.sadd(key, *batch)
+                if removed is not None:  # hashes back in the pool
+                    for batch in batches([h for h in added if h not in disk]):
+                        pipe.srem(disk_key, *batch)
+                for batch in batches(on_disk):
+                    pipe.sadd(disk_key, *batch)
                 pipe.pexpire(key, ttl_ms)
+                pipe.pexpire(disk_key, ttl_ms)
                 pipe.set(self._key("held_gen", instance_id), self._next_generation(), px=ttl_ms)
                 await pipe.execute()
             return True
@@ -256,6 +277,7 @@ class PrefixIndex:
         async def op() -> bool:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self._key("instance", instance_id), self._key("held", instance_id),
+                            self._key("held_disk", instance_id),
                             self._key("held_gen", instance_id))
                 pipe.srem(self.instances_key, instance_id)
                 await pipe.execute()
@@ -311,6 +333,13 @@ class PrefixIndex:
         async def op() -> set[bytes]:
             return set(await self._redis.smembers(self._key("held", instance_id)))
         return await self._call("held_hashes", op, None)
+
+    async def disk_hashes(self, instance_id: str) -> set[bytes] | None:
+        """The published hashes `instance_id` holds on its disk tier only (the rest of
+        `held_hashes` are in its pool); None when Redis is down."""
+        async def op() -> set[bytes]:
+            return set(await self._redis.smembers(self._key("held_disk", instance_id)))
+        return await self._call("disk_hashes", op, None)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -69,6 +69,24 @@ async def test_publish_republish_and_unregister(index):
     assert await index.live_instances() == []
 
 
+async def test_the_index_records_in_which_tier_each_hash_is(index):
+    """held: every hash the instance holds; held_disk: those on its disk tier only. A hash
+    back in the pool leaves held_disk; a removed one leaves both."""
+    await index.register(_info("p1"))
+    assert await index.publish("p1", H[:4], [], on_disk=[H[2], H[3]])
+    assert await index.held_hashes("p1") == set(H[:4])
+    assert await index.disk_hashes("p1") == {H[2], H[3]}
+    # H[0] is evicted to disk, H[2] is loaded back into the pool, H[3] dropped from disk.
+    assert await index.publish("p1", [H[0], H[2]], [H[3]], on_disk=[H[0]])
+    assert await index.held_hashes("p1") == {H[0], H[1], H[2]}
+    assert await index.disk_hashes("p1") == {H[0]}
+    assert await index.republish("p1", [H[5], H[6]], on_disk=[H[6]])
+    assert await index.held_hashes("p1") == {H[5], H[6]}
+    assert await index.disk_hashes("p1") == {H[6]}
+    assert await index.unregister("p1")
+    assert await index.disk_hashes("p1") == set()
+
+
 async def test_longest_prefix_counts_leading_blocks_of_live_instances(index, make_index):
     for instance_id, held in (("a", H[:5]), ("b", [H[0], H[1], H[3]]), ("c", H[1:4])):
         await index.register(_info(instance_id))
@@ -103,3 +121,36 @@ def test_instance_info_json_round_trip():
     # Unknown fields (a newer instance) are ignored.
     assert InstanceInfo.from_json(info.to_json()[:-1] + ',"extra":1}') == info
 
+
+
+async def test_an_engine_publishes_the_tier_of_each_hash(model_path, redis, tmp_path):
+    """A prefill with a disk tier and a small pool: after its first prompt's blocks went to
+    disk and came back, Redis holds every hash of the pool and the disk, and held_disk
+    exactly those on disk only."""
+    from tests.services.helpers import (
+        FILL_POOL_BLOCKS,
+        engine_args,
+        fill_disk_tier,
+        service_config,
+        start_runtime,
+    )
+
+    runtime = await start_runtime(service_config("prefill", redis.url), engine_args(
+        model_path, kv_offload_dir=str(tmp_path), num_gpu_blocks_override=FILL_POOL_BLOCKS))
+    index = None
+    try:
+        await runtime.wait_ready(300)
+        index = PrefixIndex(redis.url, runtime.worker.model_name)
+        await fill_disk_tier(runtime)
+        await runtime.monitor.flush()
+        pool, disk = await runtime.worker.engine.call(lambda e: (
+            set(e.kv_cache_manager.block_pool.cached_block_hash_to_block),
+            set(e.kv_offloader.store.hashes())))
+        instance_id = runtime.identity.instance_id
+        assert disk - pool, "some blocks must be on disk only"
+        assert await index.held_hashes(instance_id) == pool | disk
+        assert await index.disk_hashes(instance_id) == disk - pool
+    finally:
+        if index is not None:
+            await index.close()
+        await runtime.stop(0.5)
