@@ -42,7 +42,9 @@ _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 class TierView(NamedTuple):
     """One tier's series now (the proto TierView); stores / loads / failures / evictions
-    and the load histogram are the disk tier's only (0 and None for "memory")."""
+    and the load histogram are the disk tier's only (0 and None for "memory"). The "peer"
+    row: queries, hits and loads of fetches from peers, stores = blocks held for peers,
+    failures = pins and fetches that failed (recomputed), no blocks or bytes of its own."""
 
     tier: str
     blocks: int
@@ -63,12 +65,20 @@ def tier_views(value: Callable[..., float],
     def total(name: str, tier: str, **labels: str) -> int:
         return int(value(f"kv_tier_{name}_total", tier=tier, **labels))
 
-    return [TierView(tier, int(value("kv_tier_blocks", tier=tier)),
-                     int(value("kv_tier_bytes", tier=tier)), total("queries", tier),
-                     total("hits", tier), total("stores", tier), total("loads", tier),
-                     total("failures", tier, op="store") + total("failures", tier, op="load"),
-                     total("evictions", tier), load_seconds if tier == "disk" else None)
-            for tier in TIERS]
+    views = [TierView(tier, int(value("kv_tier_blocks", tier=tier)),
+                      int(value("kv_tier_bytes", tier=tier)), total("queries", tier),
+                      total("hits", tier), total("stores", tier), total("loads", tier),
+                      total("failures", tier, op="store") + total("failures", tier, op="load"),
+                      total("evictions", tier), load_seconds if tier == "disk" else None)
+             for tier in TIERS]
+    # The peer tier, once this instance fetched from a peer or served one: blocks asked,
+    # fetched, failed fetches; `stores` counts the blocks it held for peers (served).
+    peer = [total(name, "peer") for name in ("queries", "hits", "loads", "served")]
+    if any(peer):
+        views.append(TierView("peer", 0, 0, peer[0], peer[1], peer[3], peer[2],
+                              total("failures", "peer", op="pin")
+                              + total("failures", "peer", op="fetch"), 0, None))
+    return views
 
 
 class TierMetrics:

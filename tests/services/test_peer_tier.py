@@ -84,6 +84,11 @@ async def test_a_prefix_fetched_from_a_peer_gives_the_tokens_of_a_fresh_compute(
     assert _peer_value(cluster, "kv_tier_loads_total") - before == 10
     assert cluster.prefill.worker.metrics.value("kv_tier_served_total", tier="peer") - \
         served == 9
+    # The dashboard's tier rows (the state feed's TierViews) carry the peer tier.
+    peer = {v.tier: v for v in cluster.decode.worker.metrics.kv_tier_views()}["peer"]
+    assert peer.loads >= 10 and peer.hits == peer.loads and peer.queries >= peer.hits
+    holder = {v.tier: v for v in cluster.prefill.worker.metrics.kv_tier_views()}["peer"]
+    assert holder.stores >= 9
     await _clean(cluster)
 
 
