@@ -133,12 +133,14 @@ class KVHolding(EngineWorker):
                     await self._end_receive(receive)
 
     async def _receive_peer(self, request: Request, peer: Any) -> Any:
-        """Start fetching the prefix `peer` holds into `request`'s blocks (KVReceiving);
-        the receive, or None (the prompt is computed here)."""
-        raise NotImplementedError("this worker takes no KV from peers")
+        """Start fetching the prefix `peer` holds into `request`'s blocks; the receive, or
+        None: the prompt is computed here. A worker that only holds computes it always;
+        `KVReceiving` (kv_receiving.py) fetches."""
+        return None
 
     async def _end_receive(self, receive: Any) -> None:
-        """The request is done: end its receive and release the peer's pin."""
+        """The request is done: end its receive and release the peer's pin (`KVReceiving`;
+        never called here, where `_receive_peer` starts none)."""
 
     async def pin(self, request_id: str, prompt_token_ids: list[int], cache_salt: str | None,
                   lora_request: LoRARequest | None = None) -> KVHandle:

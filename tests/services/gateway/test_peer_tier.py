@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pdserve.services.gateway.peer_tier import Holder, PeerFetchCost, PeerKV, choose_peer
 from pdserve.services.gateway.placement import Placement, Placer
 from pdserve.shared.kv_cache.prefix_hash import block_extra_keys, hash_request_tokens
+from tests.services.gateway import test_placement as placement_tests
 from tests.services.gateway.test_placement import FakeRegistry
 
 BLOCK = 16
@@ -15,12 +16,9 @@ BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4  # SmolLM2-135M's block in fp32 (737,2
 
 
 @dataclass
-class Info:
-    instance_id: str
-    role: str
-    address: str
-    num_running: int = 0
-    num_waiting: int = 0
+class Info(placement_tests.Info):
+    """An instance that advertises its block's bytes (the peer tier asks only those)."""
+
     kv_block_bytes: int = BLOCK_BYTES
 
 
