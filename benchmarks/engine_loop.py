@@ -69,11 +69,13 @@ def weight_matrices(model) -> tuple[list, Any]:
     Found by shape rather than by name (qkv/o/gate_up/down today), so a renamed or
     re-fused projection is still counted.
     """
-    layer_weights = [p for layer in model.layers for p in layer.parameters() if p.dim() == 2]
-    lm_head = getattr(model, "lm_head_weight", None)
-    if lm_head is None:
-        lm_head = model.embed_tokens.weight
-    return layer_weights, lm_head
+    from pdserve.shared.models import weight_layout
+    from pdserve.shared.models.layers import Linear
+
+    # NOTE: panel-packed layers hold no plain weight: full_weight() unpacks a copy.
+    layer_weights = [m.full_weight() for layer in model.layers for m in layer.modules()
+                     if isinstance(m, Linear)]
+    return layer_weights, weight_layout.head_weight(model)
 
 
 def gflop_per_token(model) -> float:

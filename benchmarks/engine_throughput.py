@@ -79,7 +79,8 @@ def decode_step_at_batch(llm: LLM, reqs, batch: int, steps: int) -> dict:
 
 
 def matmul_time_at_batch(llm: LLM, batch: int, reps: int) -> dict:
-    """The step's weight matmuls alone (all layers + LM head) on [batch, hidden]."""
+    """The step's weight matmuls alone (all layers + LM head, as the model runs them) on
+    [batch, hidden]."""
     model = llm.engine.model_runner.model
     x = torch.randn(batch, model.args.hidden_size)
     xi = torch.randn(batch, model.args.intermediate_size)
@@ -93,7 +94,7 @@ def matmul_time_at_batch(llm: LLM, batch: int, reps: int) -> dict:
                 layer.self_attn.o_proj(xo)
                 layer.mlp.gate_up_proj(x)
                 layer.mlp.down_proj(xi)
-            torch.nn.functional.linear(x, model.embed_tokens.weight)
+            model.compute_logits(x)  # the LM head (and the final norm)
             times.append(time.perf_counter() - t0)
     return {"batch": batch, "matmul_s_median": statistics.median(times)}
 

@@ -1,24 +1,33 @@
-"""fp32 linear layers for 1-8 rows on CPU (`csrc/f32_gemv_cpu.c`): a decode step of a few
-streams, which is bound by reading the weights.
+"""fp32 linear layers on CPU from weights packed once into K-major panels
+(`csrc/f32_gemv_cpu.c`): a bandwidth-bound GEMV for the 1-8 rows of a decode step of a few
+streams, and a register-blocked GEMM over the same panels for more rows (prefill, large
+batches), so an engine holds each weight once, in this layout only.
 
     w = pack_weight(layer.weight, layer.bias)      # once, after loading: GemvWeight
-    y = linear(x, w)                               # x [M, K] fp32, 1 <= M <= MAX_ROWS
+    y = linear(x, w)                               # x [M, K] fp32, any M
 
 A matmul of M rows reads each 4-byte weight once for 2*M flops, so at small M its time is the
 weight read. oneDNN's prepacked kernels (`kernels/cpu_linear.py`) read the model's 538 MB of
 weights per step at about 20 GB/s on this project's 2-core AVX-512 machines, against the
-27-29 GB/s the memory gives. This kernel packs each weight once into K-major panels of
-output channels (`GemvWeight.wpacked`), so each OpenMP thread streams whole panels front to
-back with software prefetch ahead of the loads; every output is one fp32 FMA chain over k
-in order, so a row's result does not depend on the other rows (M = 1..8 give the same row).
-Rows run in tiles of 4; a panel read again by the next tile comes from L2. Past 8 rows
-oneDNN's blocked GEMM is as fast (a loaded-machine micro-timing of the model's matmuls,
-1 thread: this kernel / oneDNN 0.60 at M=1, 0.58 at M=4, 0.70 at M=8, 1.06 at M=16).
-Results differ from `F.linear` and oneDNN by fp32 rounding only (another summation order).
+27-29 GB/s the memory gives. The GEMV streams whole panels front to back per OpenMP thread,
+with software prefetch ahead of the loads; rows run in tiles of 4, and a panel read again by
+the next tile comes from L2 (1 thread, this kernel / oneDNN: 0.60 at M=1, 0.58 at M=4, 0.70
+at M=8).
+
+Past MAX_ROWS rows the GEMM blocks as BLIS does (Van Zee & van de Geijn, 2015): a 6-row x
+64-column register tile (24 zmm accumulators) walks a 256-deep slice of K from L1/L2, rows
+in blocks of up to 96 and panels split between threads. Its time against oneDNN's own
+prepacked GEMM in one process on these machines: 0.84-1.04x over SmolLM2's shapes (M=9..2048),
+0.93-1.06x over a 1B Llama's; so oneDNN's second copy of the weights is not kept.
+
+Every output is one fp32 FMA chain over k in order and the bias is added last, in both
+kernels, so a row's result does not depend on the other rows or on which kernel ran
+(batch-invariant: a request gives the same bits alone or batched, at any M). Results differ
+from `F.linear` and oneDNN by fp32 rounding only (another summation order).
 Source: the layout is llama.cpp's / ggml's "repacked" CPU weights idea applied to fp32; the
 bandwidth argument is the roofline model (Williams et al., 2009).
 
-Set PDSERVE_CPU_GEMV=0 to keep oneDNN for every M. Without a C compiler or AVX-512
+Set PDSERVE_CPU_GEMV=0 to use oneDNN (prepacked) instead. Without a C compiler or AVX-512
 `load_kernel` returns None and callers keep oneDNN.
 """
 
@@ -40,7 +49,7 @@ PANEL = 64
 PREFETCH_AHEAD = 2048
 """Bytes ahead of the current k step that the kernel prefetches."""
 MAX_ROWS = 8
-"""The most rows `linear` takes; larger inputs go to oneDNN (`kernels/cpu_linear.py`)."""
+"""The most rows the GEMV runs; larger inputs run the GEMM."""
 # (compile flags, link flags), tried in order. Never -ffast-math (see cpu_build.py).
 _DEFINES = (f"-DPANEL={PANEL}", f"-DPREFETCH_AHEAD={PREFETCH_AHEAD}", f"-DMAX_ROWS={MAX_ROWS}")
 FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
@@ -78,13 +87,23 @@ def load_kernel():
     """Compiles and loads `csrc/f32_gemv_cpu.c`; None without a compiler or AVX-512 (the
     portable C loop is slower than oneDNN, so it is not used)."""
     lib = load_library(SOURCE, _DEFINES, FLAG_SETS) if _has_avx512() else None
-    if lib is None or lib.f32_gemv_panel() != PANEL:
+    if lib is None or lib.f32_gemv_panel() != PANEL or not hasattr(lib, "f32_gemm"):
         return None
     fn = lib.f32_gemv
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn
+    gemm = lib.f32_gemm
+    gemm.argtypes = fn.argtypes
+    gemm.restype = ctypes.c_int
+    return _Kernels(fn, gemm)
+
+
+class _Kernels(NamedTuple):
+    gemv: object
+    """f32_gemv: 1..MAX_ROWS rows, weight-bandwidth bound."""
+    gemm: object
+    """f32_gemm: any number of rows, register-blocked; bit-identical to gemv."""
 
 
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> GemvWeight:
@@ -115,14 +134,19 @@ def unpack_weight(w: GemvWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
-    """x [M, K] float32 CPU, 1 <= M <= MAX_ROWS -> x @ W.T + bias, [M, N] float32; None when
-    the kernel does not take this input (another M or dtype, no kernel here)."""
+    """x [M, K] float32 CPU, M >= 0 -> x @ W.T + bias, [M, N] float32; None when the kernel
+    does not take this input (another dtype, no kernel here). 1..MAX_ROWS rows run
+    the bandwidth-bound GEMV, more the register-blocked GEMM over the same panels; both give
+    the same bits for a row whatever M is."""
     num_rows, k = x.shape
-    if not 1 <= num_rows <= MAX_ROWS or x.dtype != torch.float32:
+    if x.dtype != torch.float32:
         return None
-    kernel = load_kernel()
-    if kernel is None:
+    if num_rows == 0:
+        return x.new_empty(0, w.out_features)
+    kernels = load_kernel()
+    if kernels is None:
         return None
+    kernel = kernels.gemv if num_rows <= MAX_ROWS else kernels.gemm
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(num_rows, w.out_features, dtype=torch.float32)

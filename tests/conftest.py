@@ -16,6 +16,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # whole scheduler slice: a 37 ms decode step measured 1,270 ms at a load of 8, 91 ms with
 # passive waiting. Set before torch (libgomp) loads; children inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The host weight cache (shared/models/weight_cache.py) of this run: engines in this process
+# and the services it starts pack each checkpoint once and map it; removed at the end, so the
+# many throw-away checkpoints of the tests leave nothing in ~/.cache.
+_WEIGHT_CACHE_DIR = None
+if "PDSERVE_WEIGHT_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _WEIGHT_CACHE_DIR = os.environ["PDSERVE_WEIGHT_CACHE_DIR"] = tempfile.mkdtemp(
+        prefix="pdserve-weights-")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _WEIGHT_CACHE_DIR is not None:
+        shutil.rmtree(_WEIGHT_CACHE_DIR, ignore_errors=True)
 
 TEST_QUANTIZATION = os.environ.get("PDSERVE_QUANTIZATION", "none")
 """The engines' weight mode for the whole suite: `PDSERVE_QUANTIZATION=int8 make test` runs

@@ -99,6 +99,116 @@ static void run_panel(const float *x, int64_t x_stride, int64_t M, const float *
 }
 #endif
 
+/* ---- Any number of rows: a blocked GEMM over the same panels (prefill, wide batches). ----
+ *
+ * The panels are the packed-B operand of a GotoBLAS/BLIS-style GEMM (Goto & van de Geijn,
+ * 2008; Van Zee & van de Geijn, 2015) with nr = PANEL: a micro-tile of GEMM_MR rows by one
+ * panel keeps GEMM_MR x PANEL / 16 accumulators in registers while k runs over a GEMM_KC
+ * chunk of the panel (kept in L1/L2), then leaves the partial sums in y and goes on with the
+ * next chunk. Every output is still one fp32 FMA chain over k in order 0..K-1 started from
+ * zero, with the bias added last (a partial sum stored and reloaded is the same fp32
+ * value): bit for bit what f32_gemv gives, so a row's result never depends on M.
+ *
+ * Work items are (panel, block of GEMM_MC rows), panel-major, so a thread's consecutive
+ * items read the same panel from its L2.
+ */
+#ifndef GEMM_MR
+#define GEMM_MR 6
+#endif
+#ifndef GEMM_KC
+#define GEMM_KC 256
+#endif
+#ifndef GEMM_MC
+#define GEMM_MC 96
+#endif
+
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) void gemm_tile(
+        const float *x, int64_t x_stride, const int mr, const float *w, int64_t kc,
+        float *y, int64_t N, const int first, const int last, const float *b,
+        __mmask16 mask[VECS]) {
+    __m512 acc[GEMM_MR][VECS];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < VECS; v++)
+            acc[i][v] = first ? _mm512_setzero_ps()
+                              : _mm512_maskz_loadu_ps(mask[v], y + i * N + 16 * v);
+    for (int64_t k = 0; k < kc; k++) {
+        const float *wk = w + k * PANEL;
+        __m512 wv[VECS];
+        for (int v = 0; v < VECS; v++) wv[v] = _mm512_loadu_ps(wk + 16 * v);
+        for (int i = 0; i < mr; i++) {
+            __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);
+            for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
+        }
+    }
+    for (int v = 0; v < VECS; v++) {
+        __m512 bv = (last && b != NULL) ? _mm512_loadu_ps(b + 16 * v) : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++)
+            _mm512_mask_storeu_ps(y + i * N + 16 * v, mask[v],
+                                  last ? _mm512_add_ps(acc[i][v], bv) : acc[i][v]);
+    }
+}
+
+static void gemm_item(const float *x, int64_t x_stride, int64_t m0, int64_t m1,
+                      const float *w, const float *b, float *y, int64_t N, int64_t n0,
+                      int64_t n_valid, int64_t K) {
+    __mmask16 mask[VECS];
+    for (int v = 0; v < VECS; v++) {
+        const int64_t left = n_valid - 16 * v;
+        mask[v] = left >= 16 ? (__mmask16)0xFFFF
+                  : (left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1));
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
+        const int64_t kc = K - k0 < GEMM_KC ? K - k0 : GEMM_KC;
+        const int first = k0 == 0, last = k0 + kc == K;
+        for (int64_t m = m0; m < m1; m += GEMM_MR) {
+            const float *xm = x + m * x_stride + k0;
+            float *ym = y + m * N + n0;
+            const float *wk = w + k0 * PANEL;
+            switch (m1 - m < GEMM_MR ? m1 - m : GEMM_MR) {
+                case 6: gemm_tile(xm, x_stride, 6, wk, kc, ym, N, first, last, b, mask); break;
+                case 5: gemm_tile(xm, x_stride, 5, wk, kc, ym, N, first, last, b, mask); break;
+                case 4: gemm_tile(xm, x_stride, 4, wk, kc, ym, N, first, last, b, mask); break;
+                case 3: gemm_tile(xm, x_stride, 3, wk, kc, ym, N, first, last, b, mask); break;
+                case 2: gemm_tile(xm, x_stride, 2, wk, kc, ym, N, first, last, b, mask); break;
+                default: gemm_tile(xm, x_stride, 1, wk, kc, ym, N, first, last, b, mask); break;
+            }
+        }
+    }
+}
+#else
+static void gemm_item(const float *x, int64_t x_stride, int64_t m0, int64_t m1,
+                      const float *w, const float *b, float *y, int64_t N, int64_t n0,
+                      int64_t n_valid, int64_t K) {
+    run_panel(x + m0 * x_stride, x_stride, m1 - m0, w, b, y + m0 * N, N, n0, n_valid, K);
+}
+#endif
+
+/* As f32_gemv for any M >= 1 (bit-identical results). Returns 0, or -1 when M < 1. */
+int f32_gemm(const float *x, int64_t x_stride, const float *wpacked, const float *bias,
+             float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+    if (M < 1) return -1;
+    const int64_t num_panels = (N + PANEL - 1) / PANEL;
+    /* Blocks of up to GEMM_MC rows, smaller (a multiple of GEMM_MR) while there are fewer
+     * than 4 items per thread, so that few panels still spread evenly over the threads. */
+    int64_t mc = GEMM_MC;
+    while (mc > GEMM_MR && num_panels * ((M + mc - 1) / mc) < 4 * (int64_t)num_threads)
+        mc = ((mc / 2 + GEMM_MR - 1) / GEMM_MR) * GEMM_MR;
+    const int64_t num_mblocks = (M + mc - 1) / mc;
+    const int64_t num_items = num_panels * num_mblocks;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t item = 0; item < num_items; item++) {
+        const int64_t p = item / num_mblocks, mb = item % num_mblocks;
+        const int64_t n0 = p * PANEL;
+        const int64_t n_valid = N - n0 < PANEL ? N - n0 : PANEL;
+        const int64_t m0 = mb * mc;
+        const int64_t m1 = M - m0 < mc ? M : m0 + mc;
+        gemm_item(x, x_stride, m0, m1, wpacked + p * K * PANEL,
+                  bias != NULL ? bias + n0 : NULL, y, N, n0, n_valid, K);
+    }
+    return 0;
+}
+
 /* The panel width this library was built with (the packer must agree). */
 int f32_gemv_panel(void) { return PANEL; }
 

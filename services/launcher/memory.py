@@ -6,16 +6,21 @@ mid-run (issue 38): the KV pools are allocated lazily (zero pages), so an oversi
 Per engine (prefill or decode replica), before anything is loaded:
 
     weights   from the checkpoint's safetensors headers (no tensor is read): on the CPU in
-              fp32, 2 x the parameters (the oneDNN-prepacked and GEMV panel copies of
-              `set_packed_linear`; the plain linear weights are dropped) + the embedding
-              (kept plain, and packed twice more as a tied LM head); other dtypes 1 x;
-              on CUDA nothing of the host's. int8 counts as fp32: the bytes it saves go to the
-              KV pool (`determine_num_gpu_blocks`' extra_bytes).
+              fp32 with the panel kernels (AVX-512), 1 x the parameters, held in the host's
+              weight cache and mapped by every engine (`shared.models.weight_cache`), so
+              counted once per host and model, at the first engine that maps them (each
+              engine's own with PDSERVE_WEIGHT_CACHE=0); without AVX-512, 2 x (the plain
+              weights and their oneDNN-prepacked copies); other dtypes 1 x; int8 as fp32,
+              each engine its own (it quantizes a private fp32 copy at load; the bytes it
+              saves go to the KV pool, `determine_num_gpu_blocks`' extra_bytes); on CUDA
+              nothing of the host's.
     kv_cache  --kv-cache-memory (on the CUDA device: nothing of the host's)
     overhead  ENGINE_OVERHEAD_BYTES: the interpreter, torch, kernels and step activations
 
-plus GATEWAY_BYTES for the gateway. SmolLM2-135M fp32 measured 1,134 MiB of weights held
-(`EngineCore.memory_bytes`); this estimate gives 1,134 MiB.
+plus GATEWAY_BYTES for the gateway. SmolLM2-135M fp32 measured 540 MiB of weights held
+(`EngineCore.memory_bytes`, mapped); this estimate gives 540 MiB. Not counted: the first
+engine's transient peak while it packs the cache file (the checkpoint and the packed copy,
+2 x the parameters, for the seconds before it maps the file).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 
 from pdserve.services.launcher.plan import Plan
 from pdserve.shared.engine_args import EngineArgs, parse_size
+from pdserve.shared.models.weight_cache import cache_dir
 
 ENGINE_OVERHEAD_BYTES = 2**30
 """Resident bytes of an engine beyond its weights and KV pool: interpreter, torch, compiled
@@ -41,6 +47,8 @@ class ChildMemory:
     name: str
     """The child's name in the plan (prefill-0, decode-1, gateway)."""
     weights: int
+    """Weights this child adds to the host: 0 for an engine mapping the weights an earlier
+    one of the plan counted (the host's weight cache)."""
     kv_cache: int
     overhead: int
 
@@ -71,18 +79,35 @@ def checkpoint_numel(model_path: str | Path) -> tuple[int, int]:
     return total, embedding
 
 
-def engine_weight_bytes(model_path: str, dtype: str, device: str) -> int:
-    """Host bytes of an engine's weights as it holds them (see the module's docstring).
-    `dtype` as --dtype takes it: vLLM's aliases and "auto" resolve as the engine resolves
-    them (`EngineArgs.resolve_dtype`: float -> float32, half -> float16, auto on CPU ->
-    float32)."""
+def has_panel_kernels() -> bool:
+    """The CPU has AVX-512 and the panel kernels are not switched off (`kernels.cpu_gemv`;
+    read here without importing torch)."""
+    if "0" in (os.environ.get("PDSERVE_CPU_GEMV"), os.environ.get("PDSERVE_PACKED_LINEAR")):
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+def engine_weight_bytes(model_path: str, dtype: str, device: str,
+                        quantization: str = "none") -> tuple[int, bool]:
+    """(host bytes of an engine's weights as it holds them, whether engines of the host share
+    them), see the module's docstring. `dtype` as --dtype takes it: vLLM's aliases and
+    "auto" resolve as the engine resolves them (`EngineArgs.resolve_dtype`: float ->
+    float32, half -> float16, auto on CPU -> float32)."""
     if device != "cpu":
-        return 0
+        return 0, False
     dtype = EngineArgs(model=model_path, dtype=dtype, device=device).resolve_dtype({})
-    params, embedding = checkpoint_numel(model_path)
-    if dtype == "float32":
-        return (2 * params + embedding) * 4
-    return params * _DTYPE_BYTES.get(dtype, 4)
+    params, _ = checkpoint_numel(model_path)
+    if dtype != "float32":
+        return params * _DTYPE_BYTES.get(dtype, 4), False
+    if quantization != "none":
+        return params * 4, False
+    if has_panel_kernels():
+        return params * 4, cache_dir() is not None
+    return 2 * params * 4, False
 
 
 def _flag(argv: tuple[str, ...], name: str, default: str) -> str:
@@ -92,16 +117,21 @@ def _flag(argv: tuple[str, ...], name: str, default: str) -> str:
 def plan_memory(plan: Plan) -> list[ChildMemory]:
     """Each engine's and the gateway's estimate (Redis: negligible, not listed)."""
     out = []
-    weights_of: dict[tuple[str, str, str], int] = {}
+    weights_of: dict[tuple[str, str, str, str], tuple[int, bool]] = {}
     for child in plan.children:
         argv = child.argv
         if "serve" in argv and any(role in argv for role in ("prefill", "decode")):
             device = _flag(argv, "--device", "cpu")
-            key = (_flag(argv, "--model", ""), _flag(argv, "--dtype", "auto"), device)
+            quantization = _flag(argv, "--quantization",
+                                 os.environ.get("PDSERVE_QUANTIZATION", "none"))
+            key = (_flag(argv, "--model", ""), _flag(argv, "--dtype", "auto"), device,
+                   quantization)
+            mapped_already = key in weights_of and weights_of[key][1]
             if key not in weights_of:
                 weights_of[key] = engine_weight_bytes(*key)
+            weights = 0 if mapped_already else weights_of[key][0]
             kv = parse_size(_flag(argv, "--kv-cache-memory", "2GiB")) if device == "cpu" else 0
-            out.append(ChildMemory(child.name, weights_of[key], kv, ENGINE_OVERHEAD_BYTES))
+            out.append(ChildMemory(child.name, weights, kv, ENGINE_OVERHEAD_BYTES))
         elif child.name.startswith("gateway"):
             out.append(ChildMemory(child.name, 0, 0, GATEWAY_BYTES))
     return out

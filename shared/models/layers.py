@@ -1,6 +1,6 @@
 """The layers the Llama-family decoder is built from (`shared/models/llama.py`): a linear
-layer with its CPU fast paths (oneDNN-prepacked, the GEMV kernel, int8), the int8 embedding
-and RMSNorm."""
+layer with its CPU fast paths (the fp32 panel kernels, oneDNN-prepacked, int8), the
+embeddings read from a tied LM head's panels or int8 rows, and RMSNorm."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from pdserve.kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run from a oneDNN-prepacked copy of its weight
-    (`kernels.cpu_linear`; chosen once by `LlamaForCausalLM.set_packed_linear`), or from int8
-    weights (`kernels.cpu_int8`; `LlamaForCausalLM.quantize_int8`, which drops the fp32
-    weight)."""
+    """nn.Linear that can run from its weight packed in K-major panels (`kernels.cpu_gemv`,
+    every number of rows), from a oneDNN-prepacked copy (`kernels.cpu_linear`, where the
+    panel kernel cannot be built), both chosen once by `LlamaForCausalLM.set_packed_linear`,
+    or from int8 weights (`kernels.cpu_int8`; `LlamaForCausalLM.quantize_int8`). The panels
+    and int8 replace the plain `weight` (None then)."""
 
     packed: torch.Tensor | None = None
     gemv: cpu_gemv.GemvWeight | None = None
-    """The weight (and bias) packed for `kernels.cpu_gemv`, which runs inputs of 1-8 rows."""
+    """The weight (and bias) packed for `kernels.cpu_gemv`."""
     int8_weight: cpu_int8.Int8Weight | None = None
     """The weight (and bias) in int8; set, `weight` is None."""
 
@@ -34,13 +35,32 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_weight is not None:
             return cpu_int8.linear(x, self.int8_weight)
-        if self.gemv is not None and x.shape[0] <= cpu_gemv.MAX_ROWS:
+        if self.gemv is not None:
             out = cpu_gemv.linear(x, self.gemv)
             if out is not None:
                 return out
         if self.packed is not None:
             return cpu_linear.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.full_weight(), self.bias)
+
+
+class PanelEmbedding(nn.Module):
+    """nn.Embedding read from a tied LM head's panels (`kernels.cpu_gemv.GemvWeight`), so the
+    vocabulary's fp32 rows are held once: row t is wpacked[t // PANEL, :, t % PANEL] (a
+    strided gather, [num_tokens, hidden_size] float32, the same bits as the plain table)."""
+
+    def __init__(self, head: cpu_gemv.GemvWeight) -> None:
+        super().__init__()
+        self.head = head
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table [vocab_size, hidden_size] float32, unpacked (a copy)."""
+        return cpu_gemv.unpack_weight(self.head)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        panel = cpu_gemv.PANEL
+        return self.head.wpacked[input_ids // panel, :, input_ids % panel]
 
 
 class Int8Embedding(nn.Module):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_linear
+from pdserve.shared.models import weight_layout
 from pdserve.shared.models.architectures import check_hf_config, layer_sliding_windows
 from pdserve.shared.models.layers import Int8Embedding, Linear, RMSNorm
 from pdserve.shared.models.rotary import (
@@ -205,12 +206,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_weight = None if args.tie_word_embeddings else nn.Parameter(
             torch.empty(args.vocab_size, args.hidden_size))
         self.lm_head_packed: torch.Tensor | None = None
-        """The LM head weight prepacked for oneDNN (`set_packed_linear`); None: F.linear."""
+        """The LM head weight prepacked for oneDNN (`set_packed_linear`)."""
         self.lm_head_gemv: cpu_gemv.GemvWeight | None = None
+        """The LM head in K-major panels (`set_packed_linear`); set, `lm_head_weight` is None
+        and a tied `embed_tokens` reads it (`layers.PanelEmbedding`)."""
         self.lm_head_int8: cpu_int8.Int8Weight | None = None
         """The LM head in int8 (`quantize_int8`); set, it wins over the others."""
         self.quantization = "none"
         """"none" (the checkpoint's dtype) or "int8" (after `quantize_int8`)."""
+        self.weight_mapping = None
+        """The host weight-cache file the packed weights are mapped from
+        (`shared.models.weight_cache.Mapping`); None: held privately."""
         self.weight_bytes_saved = 0
         """Bytes `quantize_int8` freed (the checkpoint-dtype weights minus the int8 ones); the
         model runner adds them to the KV pool's budget."""
@@ -242,27 +248,14 @@ class LlamaForCausalLM(nn.Module):
         return hidden + residual
 
     def set_packed_linear(self, enabled: bool) -> None:
-        """Choose, once after the weights are loaded, whether every linear layer and the LM
-        head run from oneDNN-prepacked weights (`kernels.cpu_linear`: 1.4-2.3x faster GEMMs
-        on CPU, fp32 rounding differences only), and inputs of 1-8 rows from the GEMV
-        kernel's panels (`kernels.cpu_gemv`, unless PDSERVE_CPU_GEMV=0 or it cannot be built
-        here). Needs fp32 CPU weights and a torch with oneDNN; otherwise F.linear stays.
-        Costs one more copy of the weights in memory; with the GEMV panels the linear layers'
-        plain `weight` is dropped (every input then runs from one of the two packed copies;
-        `Linear.full_weight` unpacks it), so only the LM head's is held a third time."""
-        weight = self.embed_tokens.weight
-        enabled = (enabled and weight.device.type == "cpu" and weight.dtype == torch.float32
-                   and cpu_linear.is_available())
-        gemv = enabled and cpu_gemv.is_enabled() and cpu_gemv.load_kernel() is not None
-        for module in self.modules():
-            if isinstance(module, Linear):
-                weight = module.full_weight().detach()
-                module.packed = cpu_linear.pack_weight(weight) if enabled else None
-                module.gemv = cpu_gemv.pack_weight(weight, module.bias) if gemv else None
-                module.weight = None if gemv else nn.Parameter(weight, requires_grad=False)
-        head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        self.lm_head_packed = cpu_linear.pack_weight(head) if enabled else None
-        self.lm_head_gemv = cpu_gemv.pack_weight(head) if gemv else None
+        """Choose, once after the weights are loaded, how every linear layer and the LM head
+        run on the CPU in fp32 (`shared.models.weight_layout`): from K-major panels
+        (`kernels.cpu_gemv`, GEMV and GEMM), which replace the plain weights, a tied
+        embedding included, so each parameter is held once; or, where that kernel cannot be
+        built or PDSERVE_CPU_GEMV=0, from oneDNN-prepacked copies beside the plain weights
+        (`kernels.cpu_linear`). Both differ from F.linear by fp32 rounding only.
+        `enabled=False`, another device or dtype: plain weights and F.linear."""
+        weight_layout.set_packed_linear(self, enabled)
 
     def quantize_int8(self) -> None:
         """Replace, once after the weights are loaded, the fp32 weights of every linear layer,
@@ -276,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: the weights are not on the CPU.
         """
-        if self.embed_tokens.weight.device.type != "cpu":
+        if self.norm.weight.device.type != "cpu":
             raise ValueError("--quantization int8 runs on the CPU only (--device cpu)")
         cpu_int8.load_kernel()  # compile once now, not in the first step
         before = self.resident_weight_bytes()
@@ -289,12 +282,12 @@ class LlamaForCausalLM(nn.Module):
                 module.gemv = None
                 module.weight = None
                 module.bias = None  # held by int8_weight
-        head = self.embed_tokens.weight if self.lm_head_weight is None else self.lm_head_weight
-        self.lm_head_int8 = cpu_int8.quantize_linear(head, w8a8=True)
+        self.lm_head_int8 = cpu_int8.quantize_linear(weight_layout.head_weight(self),
+                                                     w8a8=True)
         self.lm_head_packed = None
         self.lm_head_gemv = None
         embedding = self.lm_head_int8
-        if self.lm_head_weight is not None:
+        if not self.args.tie_word_embeddings:
             self.lm_head_weight = None
             embedding = cpu_int8.quantize_linear(self.embed_tokens.weight)
         self.embed_tokens = Int8Embedding(embedding)
@@ -302,53 +295,30 @@ class LlamaForCausalLM(nn.Module):
         self.weight_bytes_saved = max(0, before - self.resident_weight_bytes())
 
     def parameter_bytes(self) -> int:
-        """Bytes of the model's parameters as loaded: `parameters()`, plus the fp32 linear
-        weights that `set_packed_linear` holds only packed (int8 layers are not counted)."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
-        for module in self.modules():
-            if isinstance(module, Linear) and module.weight is None and module.gemv is not None:
-                total += module.gemv.out_features * module.gemv.wpacked.shape[1] * 4
-        return total
+        """Bytes of the model's parameters as loaded, however they are held
+        (`weight_layout.parameter_bytes`; int8 layers are not counted)."""
+        return weight_layout.parameter_bytes(self)
 
     def resident_weight_bytes(self) -> int:
-        """Bytes of weights this model holds: parameters and buffers (rotary tables included)
-        plus the oneDNN-prepacked fp32 copies and the int8 weights; a tensor shared by two
+        """Bytes of weights this model holds, all kinds together; a tensor shared by two
         owners (a tied int8 LM head and embedding) counts once."""
         return sum(self.weight_bytes_by_kind().values())
 
     def weight_bytes_by_kind(self) -> dict[str, int]:
         """Bytes of the weights this model holds, by kind: "weights" (parameters and buffers
-        as loaded, rotary tables included), "packed_weights" (the oneDNN-prepacked and GEMV
-        panel copies of `set_packed_linear`), "int8_weights" (`quantize_int8`'s). A tensor
-        shared by two owners counts once, under the first kind that holds it."""
-        kinds: dict[str, list] = {"weights": [*self.parameters(), *self.buffers()],
-                                  "packed_weights": [], "int8_weights": []}
-        for module in self.modules():
-            if isinstance(module, Linear):
-                kinds["packed_weights"] += [module.packed, *(module.gemv or ())]
-                kinds["int8_weights"] += list(module.int8_weight or ())
-        kinds["packed_weights"] += [self.lm_head_packed, *(self.lm_head_gemv or ())]
-        kinds["int8_weights"] += list(self.lm_head_int8 or ())
-        if isinstance(self.embed_tokens, Int8Embedding):
-            kinds["int8_weights"] += list(self.embed_tokens.int8_weight)
-        seen: set[int] = set()
-        totals = dict.fromkeys(kinds, 0)
-        for kind, tensors in kinds.items():
-            for t in tensors:
-                if not isinstance(t, torch.Tensor):
-                    continue
-                key = t.data_ptr() if t.layout == torch.strided else id(t)
-                if key not in seen:
-                    seen.add(key)
-                    totals[kind] += t.numel() * t.element_size()
-        return totals
+        as loaded, rotary tables included), "packed_weights" (the panels or oneDNN copies of
+        `set_packed_linear`), "int8_weights" (`quantize_int8`'s), "mapped_weights" (those
+        mapped read-only from the host's weight cache, `shared.models.weight_cache`, held
+        once per host whatever the number of engines). A tensor shared by two owners counts
+        once, under the first kind that holds it."""
+        return weight_layout.weight_bytes_by_kind(self)
 
     def set_fused_cpu_ops(self, enabled: bool) -> None:
         """Choose, once after the weights are loaded, between the fused CPU ops and the torch
         ops for every norm, MLP and the rotary embedding. Enabled needs fp32 weights on CPU
         and a working C compiler (`kernels.cpu_fused.load_fused_kernels`); otherwise the torch
         ops stay. Both give bit-identical results."""
-        weight = self.embed_tokens.weight
+        weight = self.norm.weight
         enabled = (enabled and weight.device.type == "cpu" and weight.dtype == torch.float32
                    and cpu_fused.load_fused_kernels() is not None)
         for module in self.modules():
@@ -362,12 +332,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(hidden)
         if self.lm_head_int8 is not None:
             return cpu_int8.linear(hidden, self.lm_head_int8)
-        if self.lm_head_gemv is not None and hidden.shape[0] <= cpu_gemv.MAX_ROWS:
+        if self.lm_head_gemv is not None:
             logits = cpu_gemv.linear(hidden, self.lm_head_gemv)
             if logits is not None:
                 return logits
         if self.lm_head_packed is not None:
             return cpu_linear.linear(hidden, self.lm_head_packed).float()
-        weight = (self.embed_tokens.weight if self.lm_head_weight is None
-                  else self.lm_head_weight)
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight_layout.head_weight(self)).float()

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.kernels import cpu_fused, cpu_linear
+from pdserve.kernels import cpu_fused, cpu_gemv, cpu_linear
+from pdserve.shared.models import weight_cache, weight_layout
 from pdserve.shared.models.gemma import GemmaArgs, GemmaForCausalLM
 from pdserve.shared.models.gemma_config import is_gemma
 from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
@@ -59,6 +60,10 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
                quantization: str = "none") -> LlamaForCausalLM:
     """Build the model from `config.json` and fill it from the safetensors files.
 
+    On the CPU in fp32 with the panel kernels, the weights are packed once per host into
+    the weight cache and mapped read-only from it (`shared.models.weight_cache`; a second
+    engine or a restart maps what the first packed); without the cache (PDSERVE_WEIGHT_CACHE=0,
+    an unwritable directory) this process packs its own copy.
     `quantization="int8"` quantizes the linear layers, LM head and embeddings at load
     (`LlamaForCausalLM.quantize_int8`); it needs dtype float32 on the CPU.
 
@@ -73,6 +78,51 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
         raise ValueError(f"quantization='int8' runs fp32 activations on the CPU; got "
                          f"dtype={dtype!r} device={device!r}")
     model_path = Path(model_path)
+    packed = (device == "cpu" and dtype == "float32" and quantization == "none"
+              and cpu_linear.is_enabled() and weight_layout.panels_available())
+    if packed and weight_cache.cache_dir() is not None:
+        files = checkpoint_files(model_path)
+        key = weight_cache.cache_key(model_path, files, dtype=dtype, quantization=quantization,
+                                     layout=weight_layout.LAYOUT_VERSION, panel=cpu_gemv.PANEL)
+        try:
+            tensors, mapping = weight_cache.load_or_build(
+                key, lambda: weight_layout.pack_weights(_load_plain(model_path, dtype, device)))
+        except OSError as e:
+            logger.warning("weight cache not usable (%s): packing the weights in this process",
+                           e)
+        else:
+            model = _build(read_hf_config(model_path))
+            weight_layout.install_packed(model, tensors)
+            model.weight_mapping = mapping
+            _finish(model, device, torch.float32)
+            return model.eval()
+    model = _load_plain(model_path, dtype, device)
+    if quantization == "int8":
+        model.quantize_int8()
+    else:
+        model.set_packed_linear(cpu_linear.is_enabled())
+    return model.eval()
+
+
+def _build(cfg: dict) -> LlamaForCausalLM:
+    """The model's modules on the meta device (no memory), to be given real tensors."""
+    args = GemmaArgs.from_hf_config(cfg) if is_gemma(cfg) else LlamaArgs.from_hf_config(cfg)
+    cls = GemmaForCausalLM if isinstance(args, GemmaArgs) else LlamaForCausalLM
+    with torch.device("meta"):
+        return cls(args)
+
+
+def _finish(model: LlamaForCausalLM, device: str, torch_dtype: torch.dtype) -> None:
+    """The rotary tables on `device`, and the fused CPU ops chosen."""
+    if isinstance(model, GemmaForCausalLM):
+        model.move_rotary(device, torch_dtype)
+    else:
+        model.rotary.to(device, torch_dtype)
+    model.set_fused_cpu_ops(cpu_fused.is_enabled())
+
+
+def _load_plain(model_path: Path, dtype: str, device: str) -> LlamaForCausalLM:
+    """The model with its plain weights from the checkpoint, in `dtype` on `device`."""
     cfg = read_hf_config(model_path)
     ckpt = _read_checkpoint(model_path)
 
@@ -81,10 +131,8 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
             raise ValueError(f"checkpoint {model_path} lacks weight {name!r}")
         return ckpt.pop(name)
 
-    args = GemmaArgs.from_hf_config(cfg) if is_gemma(cfg) else LlamaArgs.from_hf_config(cfg)
-    with torch.device("meta"):
-        model = (GemmaForCausalLM if isinstance(args, GemmaArgs) else LlamaForCausalLM)(args)
-    state = _state_dict(args, take)
+    model = _build(cfg)
+    state = _state_dict(model.args, take)
     ckpt.pop("lm_head.weight", None)  # tied checkpoints may still carry a copy
     leftover = [k for k in ckpt if "rotary_emb" not in k]
     if leftover:
@@ -96,16 +144,8 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
     torch_dtype = _DTYPES[dtype]
     state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    if isinstance(model, GemmaForCausalLM):
-        model.move_rotary(device, torch_dtype)
-    else:
-        model.rotary.to(device, torch_dtype)
-    model.set_fused_cpu_ops(cpu_fused.is_enabled())
-    if quantization == "int8":
-        model.quantize_int8()
-    else:
-        model.set_packed_linear(cpu_linear.is_enabled())
-    return model.eval()
+    _finish(model, device, torch_dtype)
+    return model
 
 
 def _plus_one(weight: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The fp32 GEMV kernel for decode steps of 1-8 rows (kernels/cpu_gemv.py) against F.linear."""
+"""The fp32 panel kernels (kernels/cpu_gemv.py): the GEMV of 1-8 rows and the GEMM of more,
+against F.linear and against each other (a row's bits do not depend on M)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.skipif(cpu_gemv.load_kernel() is None,
                                        "is not built and oneDNN runs every M")
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 7, 8])
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 8, 9, 13, 64, 200])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(m, with_bias):
     # N = 100 is not a multiple of the panel: the last panel is partly padding.
@@ -28,12 +29,24 @@ def test_matches_f_linear(m, with_bias):
 
 def test_a_row_is_the_same_whatever_the_other_rows():
     g = torch.Generator().manual_seed(0)
-    w = cpu_gemv.pack_weight(torch.randn(3072, 576, generator=g))
-    x = torch.randn(cpu_gemv.MAX_ROWS, 576, generator=g)
-    full = cpu_gemv.linear(x, w)
-    for m in range(1, cpu_gemv.MAX_ROWS):
-        assert torch.equal(cpu_gemv.linear(x[:m].clone(), w), full[:m])
+    w = cpu_gemv.pack_weight(torch.randn(3072, 576, generator=g), torch.randn(3072, generator=g))
+    x = torch.randn(300, 576, generator=g)
+    full = cpu_gemv.linear(x, w)  # the GEMM: 50 tiles of 6 rows, blocks of up to 96
+    for m in [*range(1, 20), 95, 96, 97, 299]:  # the GEMV (<= 8) and partial GEMM tiles
+        assert torch.equal(cpu_gemv.linear(x[:m].clone(), w), full[:m]), m
     assert torch.equal(cpu_gemv.linear(x[5:6].clone(), w)[0], full[5])
+    assert torch.equal(cpu_gemv.linear(x[150:299].clone(), w), full[150:299])
+
+
+def test_gemm_with_k_past_one_slice_and_ragged_panels():
+    # K = 700 spans three 256-deep slices (the last partial); N = 130 leaves a ragged panel.
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(130, 700, generator=g), torch.randn(130, generator=g)
+    x = torch.randn(37, 700, generator=g)
+    out = cpu_gemv.linear(x, cpu_gemv.pack_weight(weight, bias))
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+    with torch.inference_mode():
+        assert torch.equal(cpu_gemv.linear(x, cpu_gemv.pack_weight(weight, bias)), out)
 
 
 def test_strided_rows_and_what_it_does_not_take():
@@ -45,8 +58,7 @@ def test_strided_rows_and_what_it_does_not_take():
     rows = torch.randn(6, 48, generator=g)[:, 8:40]  # row stride 48
     torch.testing.assert_close(cpu_gemv.linear(rows[:2], w), rows[:2] @ weight.T,
                                rtol=1e-5, atol=1e-5)
-    assert cpu_gemv.linear(torch.randn(cpu_gemv.MAX_ROWS + 1, 32), w) is None  # oneDNN's
-    assert cpu_gemv.linear(torch.randn(0, 32), w) is None
+    assert cpu_gemv.linear(torch.randn(0, 32), w).shape == (0, 64)
     assert cpu_gemv.linear(torch.randn(1, 32, dtype=torch.float64), w) is None
     assert torch.equal(cpu_gemv.unpack_weight(w), weight)
     with pytest.raises(ValueError, match="float32"):

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_linear
+from pdserve.kernels import cpu_gemv, cpu_linear
+from pdserve.shared.models.layers import PanelEmbedding
 
 pytestmark = pytest.mark.skipif(not cpu_linear.is_available(),
                                 reason="this torch build has no oneDNN linear ops")
@@ -61,15 +62,26 @@ def test_model_switch_packs_every_linear_and_the_lm_head():
     model.set_packed_linear(False)
     assert all(m.packed is None for m in linears) and model.lm_head_packed is None
     plain = model.compute_logits(hidden)
+    plain_embed = model.embed_tokens.weight.detach().clone()
     model.set_packed_linear(True)
-    assert all(m.packed is not None for m in linears) and model.lm_head_packed is not None
+    if cpu_gemv.load_kernel() is not None:  # the panels alone: one copy of each weight
+        assert all(m.gemv is not None and m.packed is None and m.weight is None
+                   for m in linears)
+        assert model.lm_head_gemv is not None and model.lm_head_packed is None
+        assert isinstance(model.embed_tokens, PanelEmbedding)  # tied: reads the head's panels
+        assert not any(p.dim() == 2 for p in model.parameters())
+    else:
+        assert all(m.packed is not None for m in linears) and model.lm_head_packed is not None
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([0, 63, 5, 64 - 1, 17])
+    assert torch.equal(model.embed_tokens(ids), plain_embed[ids])
     x = torch.randn(5, 32)
     torch.testing.assert_close(linears[0](x), F.linear(x, linears[0].full_weight()),
                                rtol=1e-5, atol=1e-5)
     model.set_packed_linear(False)  # back: the plain weights are there again
     assert all(m.weight is not None and m.gemv is None for m in linears)
     torch.testing.assert_close(model.compute_logits(hidden), plain, rtol=0, atol=0)
+    assert torch.equal(model.embed_tokens.weight, plain_embed)
 
 
 def test_fewer_rows_than_min_rows_give_the_rows_of_a_min_rows_batch():

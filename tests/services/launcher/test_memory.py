@@ -17,6 +17,7 @@ from pdserve.services.launcher.memory import (
     check_plan_fits,
     checkpoint_numel,
     engine_weight_bytes,
+    has_panel_kernels,
     machine_memory,
     plan_memory,
 )
@@ -30,7 +31,7 @@ def _plan(model_path: str, *argv: str):
     return build_plan(config, model_path, "m")
 
 
-def test_the_checkpoint_is_counted_from_its_headers(tmp_path):
+def test_the_checkpoint_is_counted_from_its_headers(tmp_path, monkeypatch):
     header = {"__metadata__": {"format": "pt"},
               "model.embed_tokens.weight": {"dtype": "F32", "shape": [10, 4],
                                             "data_offsets": [0, 160]},
@@ -40,21 +41,29 @@ def test_the_checkpoint_is_counted_from_its_headers(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw
                                                  + bytes(208))
     assert checkpoint_numel(tmp_path) == (64, 40)
-    assert engine_weight_bytes(str(tmp_path), "float32", "cpu") == (2 * 64 + 40) * 4
-    assert engine_weight_bytes(str(tmp_path), "bfloat16", "cpu") == 64 * 2
+    fp32 = (64 * 4, True) if has_panel_kernels() else (2 * 64 * 4, False)
+    assert engine_weight_bytes(str(tmp_path), "float32", "cpu") == fp32
+    assert engine_weight_bytes(str(tmp_path), "bfloat16", "cpu") == (64 * 2, False)
     # vLLM's aliases and auto, as the engine resolves them
-    assert engine_weight_bytes(str(tmp_path), "float", "cpu") == (2 * 64 + 40) * 4
-    assert engine_weight_bytes(str(tmp_path), "auto", "cpu") == (2 * 64 + 40) * 4
-    assert engine_weight_bytes(str(tmp_path), "half", "cpu") == 64 * 2
-    assert engine_weight_bytes(str(tmp_path), "float32", "cuda") == 0
+    assert engine_weight_bytes(str(tmp_path), "float", "cpu") == fp32
+    assert engine_weight_bytes(str(tmp_path), "auto", "cpu") == fp32
+    assert engine_weight_bytes(str(tmp_path), "half", "cpu") == (64 * 2, False)
+    assert engine_weight_bytes(str(tmp_path), "float32", "cuda") == (0, False)
+    assert engine_weight_bytes(str(tmp_path), "float32", "cpu", "int8") == (64 * 4, False)
+    monkeypatch.setenv("PDSERVE_CPU_GEMV", "0")  # oneDNN: the plain and a packed copy
+    assert engine_weight_bytes(str(tmp_path), "float32", "cpu") == (2 * 64 * 4, False)
+    monkeypatch.delenv("PDSERVE_CPU_GEMV")
+    monkeypatch.setenv("PDSERVE_WEIGHT_CACHE", "0")  # panels, each engine its own
+    assert engine_weight_bytes(str(tmp_path), "float32", "cpu")[1] is False
 
 
 def test_the_estimate_matches_what_an_engine_holds(model_path, reference_llm):
     """SmolLM2 fp32 on the CPU: the estimate against EngineCore.memory_bytes of a real
-    engine (weights as loaded + the packed copies), within 2%; its KV pool is the budget."""
+    engine (weights as loaded, mapped or packed), within 2%; its KV pool is the budget."""
     held = reference_llm.engine.memory_bytes()
-    weights = held["weights"] + held["packed_weights"] + held["int8_weights"]
-    estimate = engine_weight_bytes(model_path, "float32", "cpu")
+    weights = sum(n for kind, n in held.items() if kind != "kv_cache")
+    estimate, shared = engine_weight_bytes(model_path, "float32", "cpu")
+    assert shared == (held["mapped_weights"] > 0.99 * weights), held
     assert abs(estimate - weights) <= 0.02 * weights, (estimate, held)
     budget = 128 * 2**20  # reference_llm's kv_cache_memory
     assert 0.9 * budget <= held["kv_cache"] <= budget
@@ -67,9 +76,11 @@ def test_a_plan_is_the_sum_of_its_engines_and_the_gateway(model_path):
     engines = [c for c in children if c.name != "gateway"]
     assert sorted(c.name for c in engines) == ["decode-0", "decode-1", "decode-2",
                                                "prefill-0", "prefill-1"]
-    weights = engine_weight_bytes(model_path, "float32", "cpu")
-    assert all(c.weights == weights and c.kv_cache == GIB
-               and c.overhead == ENGINE_OVERHEAD_BYTES for c in engines)
+    weights, shared = engine_weight_bytes(model_path, "float32", "cpu")
+    assert all(c.kv_cache == GIB and c.overhead == ENGINE_OVERHEAD_BYTES for c in engines)
+    # mapped from the host's weight cache: counted once, at the first engine
+    assert [c.weights for c in engines] == (
+        [weights] + [0] * 4 if shared else [weights] * 5)
     assert [c.total for c in children if c.name == "gateway"] == [GATEWAY_BYTES]
     need = sum(c.total for c in children)
     assert check_plan_fits(plan, memory=need) is None
