@@ -62,7 +62,7 @@ class GemvWeight(NamedTuple):
     """
 
     wpacked: torch.Tensor
-    """[ceil(N / PANEL), K, PANEL] float32, contiguous."""
+    """[ceil(N / PANEL), K, PANEL] float32 or bfloat16, contiguous."""
     bias: torch.Tensor | None
     """[PANEL * ceil(N / PANEL)] float32, or None for a layer without bias."""
     out_features: int
@@ -83,20 +83,29 @@ def _has_avx512() -> bool:
 
 
 @functools.cache
-def load_kernel():
-    """Compiles and loads `csrc/f32_gemv_cpu.c`; None without a compiler or AVX-512 (the
-    portable C loop is slower than oneDNN, so it is not used)."""
-    lib = load_library(SOURCE, _DEFINES, FLAG_SETS) if _has_avx512() else None
-    if lib is None or lib.f32_gemv_panel() != PANEL or not hasattr(lib, "f32_gemm"):
+def load_kernel(weight_dtype: torch.dtype = torch.float32):
+    """Compiles and loads `csrc/f32_gemv_cpu.c` for fp32 or bf16 weights (-DW_BF16); None
+    without a compiler or AVX-512 (the portable C loop is slower than oneDNN, so it is not
+    used), or for another dtype."""
+    if weight_dtype not in (torch.float32, torch.bfloat16):
         return None
-    fn = lib.f32_gemv
+    bf16 = weight_dtype == torch.bfloat16
+    defines = (*_DEFINES, "-DW_BF16") if bf16 else _DEFINES
+    lib = load_library(SOURCE, defines, FLAG_SETS) if _has_avx512() else None
+    prefix = "bf16_" if bf16 else "f32_"
+    if lib is None or not all(hasattr(lib, prefix + name)
+                              for name in ("gemv", "gemm", "gemv_panel")):
+        return None
+    if getattr(lib, prefix + "gemv_panel")() != PANEL:
+        return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    gemm = lib.f32_gemm
-    gemm.argtypes = fn.argtypes
-    gemm.restype = ctypes.c_int
-    return _Kernels(fn, gemm)
+    fns = []
+    for name in ("gemv", "gemm"):
+        fn = getattr(lib, prefix + name)
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        fns.append(fn)
+    return _Kernels(*fns)
 
 
 class _Kernels(NamedTuple):
@@ -106,18 +115,23 @@ class _Kernels(NamedTuple):
     """f32_gemm: any number of rows, register-blocked; bit-identical to gemv."""
 
 
-def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> GemvWeight:
-    """weight [N, K] fp32 CPU (bias [N]) -> GemvWeight (a copy: about N*K*4 bytes).
+def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> GemvWeight:
+    """weight [N, K] float CPU (bias [N]) -> GemvWeight with panels in `dtype` (float32, or
+    bfloat16: round to nearest even, exact for a bf16 weight); a copy of about N*K*4 (2)
+    bytes. The bias stays fp32.
 
     Raises:
-        ValueError: not a 2-D fp32 CPU weight.
+        ValueError: not a 2-D floating CPU weight, or another panel dtype.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"pack_weight needs a 2-D float32 CPU weight, got "
-                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+    if (weight.dim() != 2 or not weight.dtype.is_floating_point
+            or weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"pack_weight needs a 2-D float32 or bfloat16 CPU weight packed to "
+                         f"either, got {tuple(weight.shape)} {weight.dtype} on "
+                         f"{weight.device} to {dtype}")
     n, k = weight.shape
     n_pad = -(-n // PANEL) * PANEL
-    padded = torch.zeros(n_pad, k)
+    padded = torch.zeros(n_pad, k, dtype=dtype)
     padded[:n] = weight.detach()
     wpacked = padded.view(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
     bias_pad = None
@@ -128,24 +142,28 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> GemvW
 
 
 def unpack_weight(w: GemvWeight) -> torch.Tensor:
-    """GemvWeight -> the weight [N, K] float32 it was packed from."""
+    """GemvWeight -> the weight [N, K] it was packed from, in the panels' dtype."""
     num_panels, k, _ = w.wpacked.shape
     return w.wpacked.transpose(1, 2).reshape(num_panels * PANEL, k)[:w.out_features]
 
 
 def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
-    """x [M, K] float32 CPU, M >= 0 -> x @ W.T + bias, [M, N] float32; None when the kernel
-    does not take this input (another dtype, no kernel here). 1..MAX_ROWS rows run
-    the bandwidth-bound GEMV, more the register-blocked GEMM over the same panels; both give
-    the same bits for a row whatever M is."""
+    """x [M, K] float32 or bfloat16 CPU, M >= 0 -> x @ W.T + bias, [M, N] in x's dtype; None
+    when the kernel does not take this input (another dtype, no kernel here). The products
+    and sums are fp32 whatever the dtypes (a bf16 x is widened first, the result rounded
+    once). 1..MAX_ROWS rows run the bandwidth-bound GEMV, more the register-blocked GEMM
+    over the same panels; both give the same bits for a row whatever M is."""
     num_rows, k = x.shape
-    if x.dtype != torch.float32:
+    if x.dtype not in (torch.float32, torch.bfloat16):
         return None
     if num_rows == 0:
         return x.new_empty(0, w.out_features)
-    kernels = load_kernel()
+    kernels = load_kernel(w.wpacked.dtype)
     if kernels is None:
         return None
+    out_dtype = x.dtype
+    if x.dtype != torch.float32:
+        x = x.float()
     kernel = kernels.gemv if num_rows <= MAX_ROWS else kernels.gemm
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -154,4 +172,4 @@ def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
     if kernel(x.data_ptr(), x.stride(0), w.wpacked.data_ptr(), bias_ptr, out.data_ptr(),
               num_rows, w.out_features, k, torch.get_num_threads()) != 0:
         return None
-    return out
+    return out if out_dtype == torch.float32 else out.to(out_dtype)

@@ -14,6 +14,11 @@
  *
  * Threads (OpenMP) take runs of consecutive panels; the next panels' cache lines are
  * prefetched PREFETCH_AHEAD bytes ahead of the loads.
+ *
+ * Built with -DW_BF16 the same source reads bf16 weights (the upper 16 bits of an fp32:
+ * widened exactly by a 16-bit shift, so any AVX-512F CPU runs it) with fp32 activations and
+ * fp32 accumulation: half the bytes per weight, the same FMA chains. Its entry points are
+ * then bf16_gemv / bf16_gemm / bf16_gemv_panel.
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -29,30 +34,44 @@
 #define PREFETCH_AHEAD 1024
 #endif
 
+#ifdef W_BF16
+typedef uint16_t wtype;
+#define ENTRY(name) bf16_##name
+static inline float w_to_f(uint16_t w) {
+    union { uint32_t u; float f; } v = { (uint32_t)w << 16 };
+    return v.f;
+}
+#else
+typedef float wtype;
+#define ENTRY(name) f32_##name
+static inline float w_to_f(float w) { return w; }
+#endif
+#define W_ROW_BYTES (PANEL * (int)sizeof(wtype))
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define VECS (PANEL / 16)
+#ifdef W_BF16
+#define LOAD_W(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
+    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#else
+#define LOAD_W(p) _mm512_loadu_ps(p)
+#endif
 
 /* mb (<= TILE_ROWS) rows against one panel [K][PANEL]. */
 static inline __attribute__((always_inline)) void panel_rows(
-        const float *x, int64_t x_stride, const int mb, const float *w, int64_t K,
+        const float *x, int64_t x_stride, const int mb, const wtype *w, int64_t K,
         const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid) {
     __m512 acc[TILE_ROWS][VECS];
     for (int i = 0; i < mb; i++)
         for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        const float *wk = w + k * PANEL;
-        _mm_prefetch((const char *)(wk + PREFETCH_AHEAD / 4), _MM_HINT_T0);
-#if PANEL >= 32
-        _mm_prefetch((const char *)(wk + PREFETCH_AHEAD / 4 + 16), _MM_HINT_T0);
-#endif
-#if PANEL >= 64
-        _mm_prefetch((const char *)(wk + PREFETCH_AHEAD / 4 + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(wk + PREFETCH_AHEAD / 4 + 48), _MM_HINT_T0);
-#endif
+        const wtype *wk = w + k * PANEL;
+        for (int line = 0; line < W_ROW_BYTES; line += 64)
+            _mm_prefetch((const char *)wk + PREFETCH_AHEAD + line, _MM_HINT_T0);
         __m512 wv[VECS];
-        for (int v = 0; v < VECS; v++) wv[v] = _mm512_loadu_ps(wk + 16 * v);
+        for (int v = 0; v < VECS; v++) wv[v] = LOAD_W(wk + 16 * v);
         for (int i = 0; i < mb; i++) {
             __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);
             for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
@@ -69,7 +88,7 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
 }
 
-static void run_panel(const float *x, int64_t x_stride, int64_t M, const float *w,
+static void run_panel(const float *x, int64_t x_stride, int64_t M, const wtype *w,
                       const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid,
                       int64_t K) {
     /* Tiles of 4 rows; a panel read again by the next tile comes from L2. */
@@ -86,14 +105,14 @@ static void run_panel(const float *x, int64_t x_stride, int64_t M, const float *
 }
 #else
 /* Portable: the same per-output FMA chain order (k ascending), one output at a time. */
-static void run_panel(const float *x, int64_t x_stride, int64_t M, const float *w,
+static void run_panel(const float *x, int64_t x_stride, int64_t M, const wtype *w,
                       const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid,
                       int64_t K) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < n_valid; c++) {
             float acc = 0.f;
             for (int64_t k = 0; k < K; k++)
-                acc = __builtin_fmaf(x[m * x_stride + k], w[k * PANEL + c], acc);
+                acc = __builtin_fmaf(x[m * x_stride + k], w_to_f(w[k * PANEL + c]), acc);
             y[m * N + n0 + c] = acc + (b != NULL ? b[c] : 0.f);
         }
 }
@@ -124,7 +143,7 @@ static void run_panel(const float *x, int64_t x_stride, int64_t M, const float *
 
 #if defined(__AVX512F__)
 static inline __attribute__((always_inline)) void gemm_tile(
-        const float *x, int64_t x_stride, const int mr, const float *w, int64_t kc,
+        const float *x, int64_t x_stride, const int mr, const wtype *w, int64_t kc,
         float *y, int64_t N, const int first, const int last, const float *b,
         __mmask16 mask[VECS]) {
     __m512 acc[GEMM_MR][VECS];
@@ -133,9 +152,9 @@ static inline __attribute__((always_inline)) void gemm_tile(
             acc[i][v] = first ? _mm512_setzero_ps()
                               : _mm512_maskz_loadu_ps(mask[v], y + i * N + 16 * v);
     for (int64_t k = 0; k < kc; k++) {
-        const float *wk = w + k * PANEL;
+        const wtype *wk = w + k * PANEL;
         __m512 wv[VECS];
-        for (int v = 0; v < VECS; v++) wv[v] = _mm512_loadu_ps(wk + 16 * v);
+        for (int v = 0; v < VECS; v++) wv[v] = LOAD_W(wk + 16 * v);
         for (int i = 0; i < mr; i++) {
             __m512 xv = _mm512_set1_ps(x[i * x_stride + k]);
             for (int v = 0; v < VECS; v++) acc[i][v] = _mm512_fmadd_ps(xv, wv[v], acc[i][v]);
@@ -150,7 +169,7 @@ static inline __attribute__((always_inline)) void gemm_tile(
 }
 
 static void gemm_item(const float *x, int64_t x_stride, int64_t m0, int64_t m1,
-                      const float *w, const float *b, float *y, int64_t N, int64_t n0,
+                      const wtype *w, const float *b, float *y, int64_t N, int64_t n0,
                       int64_t n_valid, int64_t K) {
     __mmask16 mask[VECS];
     for (int v = 0; v < VECS; v++) {
@@ -164,7 +183,7 @@ static void gemm_item(const float *x, int64_t x_stride, int64_t m0, int64_t m1,
         for (int64_t m = m0; m < m1; m += GEMM_MR) {
             const float *xm = x + m * x_stride + k0;
             float *ym = y + m * N + n0;
-            const float *wk = w + k0 * PANEL;
+            const wtype *wk = w + k0 * PANEL;
             switch (m1 - m < GEMM_MR ? m1 - m : GEMM_MR) {
                 case 6: gemm_tile(xm, x_stride, 6, wk, kc, ym, N, first, last, b, mask); break;
                 case 5: gemm_tile(xm, x_stride, 5, wk, kc, ym, N, first, last, b, mask); break;
@@ -178,14 +197,14 @@ static void gemm_item(const float *x, int64_t x_stride, int64_t m0, int64_t m1,
 }
 #else
 static void gemm_item(const float *x, int64_t x_stride, int64_t m0, int64_t m1,
-                      const float *w, const float *b, float *y, int64_t N, int64_t n0,
+                      const wtype *w, const float *b, float *y, int64_t N, int64_t n0,
                       int64_t n_valid, int64_t K) {
     run_panel(x + m0 * x_stride, x_stride, m1 - m0, w, b, y + m0 * N, N, n0, n_valid, K);
 }
 #endif
 
 /* As f32_gemv for any M >= 1 (bit-identical results). Returns 0, or -1 when M < 1. */
-int f32_gemm(const float *x, int64_t x_stride, const float *wpacked, const float *bias,
+int ENTRY(gemm)(const float *x, int64_t x_stride, const wtype *wpacked, const float *bias,
              float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1) return -1;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
@@ -210,12 +229,12 @@ int f32_gemm(const float *x, int64_t x_stride, const float *wpacked, const float
 }
 
 /* The panel width this library was built with (the packer must agree). */
-int f32_gemv_panel(void) { return PANEL; }
+int ENTRY(gemv_panel)(void) { return PANEL; }
 
 /* y [M, N] (row stride N) = x [M, K] (row stride x_stride) . W^T + bias. wpacked:
  * ceil(N / PANEL) panels [K][PANEL] fp32; bias: NULL or N_pad = PANEL * ceil(N / PANEL)
  * floats. Returns 0, or -1 when M is outside 1..MAX_ROWS. */
-int f32_gemv(const float *x, int64_t x_stride, const float *wpacked, const float *bias,
+int ENTRY(gemv)(const float *x, int64_t x_stride, const wtype *wpacked, const float *bias,
              float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || M > MAX_ROWS) return -1;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;

@@ -6,14 +6,15 @@ mid-run (issue 38): the KV pools are allocated lazily (zero pages), so an oversi
 Per engine (prefill or decode replica), before anything is loaded:
 
     weights   from the checkpoint's safetensors headers (no tensor is read): on the CPU in
-              fp32 with the panel kernels (AVX-512), 1 x the parameters, held in the host's
-              weight cache and mapped by every engine (`shared.models.weight_cache`), so
-              counted once per host and model, at the first engine that maps them (each
-              engine's own with PDSERVE_WEIGHT_CACHE=0); without AVX-512, 2 x (the plain
-              weights and their oneDNN-prepacked copies); other dtypes 1 x; int8 as fp32,
-              each engine its own (it quantizes a private fp32 copy at load; the bytes it
-              saves go to the KV pool, `determine_num_gpu_blocks`' extra_bytes); on CUDA
-              nothing of the host's.
+              fp32 or bf16 with the panel kernels (AVX-512), 1 x the parameters in that
+              dtype, held in the host's weight cache and mapped by every engine
+              (`shared.models.weight_cache`), so counted once per host and model, at the
+              first engine that maps them (each engine's own with PDSERVE_WEIGHT_CACHE=0);
+              without AVX-512, fp32 2 x (the plain weights and their oneDNN-prepacked
+              copies); other dtypes 1 x; int8 as fp32
+              for each engine (its int8 weights are mapped once per host too, but the bytes
+              they save go to each engine's KV pool, `determine_num_gpu_blocks`'
+              extra_bytes); on CUDA nothing of the host's.
     kv_cache  --kv-cache-memory (on the CUDA device: nothing of the host's)
     overhead  ENGINE_OVERHEAD_BYTES: the interpreter, torch, kernels and step activations
 
@@ -101,12 +102,13 @@ def engine_weight_bytes(model_path: str, dtype: str, device: str,
         return 0, False
     dtype = EngineArgs(model=model_path, dtype=dtype, device=device).resolve_dtype({})
     params, _ = checkpoint_numel(model_path)
-    if dtype != "float32":
-        return params * _DTYPE_BYTES.get(dtype, 4), False
     if quantization != "none":
         return params * 4, False
-    if has_panel_kernels():
-        return params * 4, cache_dir() is not None
+    panels = has_panel_kernels() and dtype in ("float32", "bfloat16")
+    if panels:
+        return params * _DTYPE_BYTES[dtype], cache_dir() is not None
+    if dtype != "float32":
+        return params * _DTYPE_BYTES.get(dtype, 4), False
     return 2 * params * 4, False
 
 

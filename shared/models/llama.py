@@ -335,7 +335,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_gemv is not None:
             logits = cpu_gemv.linear(hidden, self.lm_head_gemv)
             if logits is not None:
-                return logits
+                return logits.float()
         if self.lm_head_packed is not None:
             return cpu_linear.linear(hidden, self.lm_head_packed).float()
         return F.linear(hidden, weight_layout.head_weight(self)).float()

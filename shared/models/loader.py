@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pdserve.kernels import cpu_fused, cpu_gemv, cpu_linear
+from pdserve.kernels import cpu_fused, cpu_gemv, cpu_int8, cpu_int8_vnni, cpu_linear
 from pdserve.shared.models import weight_cache, weight_layout
 from pdserve.shared.models.gemma import GemmaArgs, GemmaForCausalLM
 from pdserve.shared.models.gemma_config import is_gemma
@@ -60,10 +60,11 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
                quantization: str = "none") -> LlamaForCausalLM:
     """Build the model from `config.json` and fill it from the safetensors files.
 
-    On the CPU in fp32 with the panel kernels, the weights are packed once per host into
-    the weight cache and mapped read-only from it (`shared.models.weight_cache`; a second
-    engine or a restart maps what the first packed); without the cache (PDSERVE_WEIGHT_CACHE=0,
-    an unwritable directory) this process packs its own copy.
+    On the CPU in fp32 or bf16 with the panel kernels, or in int8, the weights are packed
+    once per host into the weight cache and mapped read-only from it
+    (`shared.models.weight_cache`; a second engine or a restart maps what the first packed);
+    without the cache (PDSERVE_WEIGHT_CACHE=0, an unwritable directory) this process packs
+    its own copy.
     `quantization="int8"` quantizes the linear layers, LM head and embeddings at load
     (`LlamaForCausalLM.quantize_int8`); it needs dtype float32 on the CPU.
 
@@ -78,30 +79,51 @@ def load_model(model_path: str | Path, dtype: str = "float32", device: str = "cp
         raise ValueError(f"quantization='int8' runs fp32 activations on the CPU; got "
                          f"dtype={dtype!r} device={device!r}")
     model_path = Path(model_path)
-    packed = (device == "cpu" and dtype == "float32" and quantization == "none"
-              and cpu_linear.is_enabled() and weight_layout.panels_available())
-    if packed and weight_cache.cache_dir() is not None:
-        files = checkpoint_files(model_path)
-        key = weight_cache.cache_key(model_path, files, dtype=dtype, quantization=quantization,
-                                     layout=weight_layout.LAYOUT_VERSION, panel=cpu_gemv.PANEL)
-        try:
-            tensors, mapping = weight_cache.load_or_build(
-                key, lambda: weight_layout.pack_weights(_load_plain(model_path, dtype, device)))
-        except OSError as e:
-            logger.warning("weight cache not usable (%s): packing the weights in this process",
-                           e)
-        else:
-            model = _build(read_hf_config(model_path))
-            weight_layout.install_packed(model, tensors)
-            model.weight_mapping = mapping
-            _finish(model, device, torch.float32)
+    int8 = quantization == "int8"
+    cacheable = device == "cpu" and (int8 or (
+        dtype in ("float32", "bfloat16") and cpu_linear.is_enabled()
+        and weight_layout.panels_available(_DTYPES[dtype])))
+    if cacheable and weight_cache.cache_dir() is not None:
+        model = _load_cached(model_path, dtype, int8)
+        if model is not None:
             return model.eval()
     model = _load_plain(model_path, dtype, device)
-    if quantization == "int8":
+    if int8:
         model.quantize_int8()
     else:
         model.set_packed_linear(cpu_linear.is_enabled())
     return model.eval()
+
+
+def _load_cached(model_path: Path, dtype: str, int8: bool) -> LlamaForCausalLM | None:
+    """The CPU model with its panels (or int8 weights) mapped from the host's weight cache,
+    packed first by this process if no engine of the host has; None when the cache cannot
+    be used (logged: the caller packs privately)."""
+    files = checkpoint_files(model_path)
+    variant = {"dtype": dtype, "quantization": "int8" if int8 else "none",
+               "layout": weight_layout.LAYOUT_VERSION, "panel": cpu_gemv.PANEL}
+    if int8:  # the int8 layout depends on the VNNI kernel being here
+        variant["vnni"] = cpu_int8_vnni.load_kernel() is not None
+        cpu_int8.load_kernel()  # compile once now, not in the first step
+
+    def build() -> dict[str, torch.Tensor]:
+        model = _load_plain(model_path, dtype, "cpu")
+        if int8:
+            model.quantize_int8()
+            return weight_layout.pack_int8_weights(model)
+        return weight_layout.pack_weights(model)
+
+    key = weight_cache.cache_key(model_path, files, **variant)
+    try:
+        tensors, mapping = weight_cache.load_or_build(key, build)
+    except OSError as e:
+        logger.warning("weight cache not usable (%s): packing the weights in this process", e)
+        return None
+    model = _build(read_hf_config(model_path))
+    (weight_layout.install_int8 if int8 else weight_layout.install_packed)(model, tensors)
+    model.weight_mapping = mapping
+    _finish(model, "cpu", _DTYPES[dtype])
+    return model
 
 
 def _build(cfg: dict) -> LlamaForCausalLM:

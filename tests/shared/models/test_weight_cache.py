@@ -185,3 +185,26 @@ def _mapping_rss_pss(pid: int, directory: str) -> tuple[int, int]:
             value = int(fields[1]) * 1024
             rss, pss = (rss + value, pss) if fields[0] == "Rss:" else (rss, pss + value)
     return rss, pss
+
+
+def test_int8_weights_are_mapped_too(model_path, monkeypatch, tmp_path):
+    """--quantization int8 from the cache (built, then mapped) against a private quantize:
+    the same logits bit for bit, the int8 tensors in the mapping, the same bytes saved."""
+    monkeypatch.setenv("PDSERVE_WEIGHT_CACHE_DIR", str(tmp_path))
+    built = load_model(model_path, quantization="int8")
+    mapped = load_model(model_path, quantization="int8")
+    monkeypatch.setenv("PDSERVE_WEIGHT_CACHE", "0")
+    private = load_model(model_path, quantization="int8")
+    assert private.weight_mapping is None and mapped.weight_mapping is not None
+    assert mapped.quantization == "int8"
+    assert mapped.weight_bytes_saved == private.weight_bytes_saved > 0
+    kinds = mapped.weight_bytes_by_kind()
+    assert kinds["int8_weights"] == 0
+    assert kinds["mapped_weights"] >= private.weight_bytes_by_kind()["int8_weights"]
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, mapped.args.hidden_size, generator=g)
+    ids = torch.tensor([3, 49000, 7])
+    with torch.inference_mode():
+        for model in (built, mapped):
+            assert torch.equal(model.compute_logits(hidden), private.compute_logits(hidden))
+            assert torch.equal(model.embed_tokens(ids), private.embed_tokens(ids))
