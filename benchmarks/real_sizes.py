@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.goodput import Server
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.goodput import Server  # noqa: E402
 
 ARCH = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
             num_attention_heads=32, num_key_value_heads=8, head_dim=64,

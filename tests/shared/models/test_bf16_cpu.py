@@ -41,6 +41,7 @@ def test_weights_are_held_once_in_bf16(bf16, fp32):
 
 def test_perplexity_within_one_percent_of_fp32(bf16, fp32, text_ids):  # noqa: F811
     ppl32, ppl16 = perplexity(fp32, text_ids), perplexity(bf16, text_ids)
+    print(f"perplexity fp32 {ppl32:.4f} bf16 {ppl16:.4f} ratio {ppl16 / ppl32:.4f}")
     assert 5 < ppl32 < 50, ppl32
     assert abs(ppl16 / ppl32 - 1) <= 0.01, (ppl32, ppl16)
 
@@ -62,8 +63,10 @@ def test_greedy_parts_from_transformers_bf16_only_at_near_ties(bf16, model_path,
     be within 2 bf16 steps of its top logit: a wrong kernel would choose far tokens."""
     from transformers import AutoModelForCausalLM
 
-    ref = transformers_greedy(model_path, parity_prompt_ids, dtype="bfloat16")
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_PARITY_TOKENS)
+    tokens = min(32, NUM_PARITY_TOKENS)  # lean: transformers' bf16 generate is slow here
+    ref = transformers_greedy(model_path, parity_prompt_ids, dtype="bfloat16",
+                              max_tokens=tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens)
     got = [o.outputs[0].token_ids
            for o in bf16.generate([{"prompt_token_ids": ids} for ids in parity_prompt_ids],
                                   params)]
@@ -84,4 +87,4 @@ def test_greedy_parts_from_transformers_bf16_only_at_near_ties(bf16, model_path,
     print("bf16 tokens before the first divergence from transformers bf16:", agree,
           "gaps in bf16 steps:", gaps)
     assert all(g <= 2 for g in gaps), (agree, gaps)
-    assert sum(agree) >= len(agree) * NUM_PARITY_TOKENS // 3, agree
+    assert sum(agree) >= len(agree) * tokens // 3, agree
