@@ -114,8 +114,10 @@ class ServiceMetrics:
             ("running_lora_adapters", "waiting_lora_adapters", "max_lora"))
         self._memory = gauge(
             "engine_memory_bytes", "Bytes the engine holds by kind, set at start-up: weights "
-            "(as loaded), packed_weights (oneDNN / GEMV copies), int8_weights, kv_cache (the "
-            "KV pool), draft_weights; on the engine's device.", ("kind",))
+            "(as loaded), packed_weights (panels or oneDNN copies held privately), "
+            "int8_weights, mapped_weights (mapped from the host's weight cache: one copy for "
+            "every engine of the host), kv_cache (the KV pool), draft_weights; on the "
+            "engine's device.", ("kind",))
         self._model = model_name
         self._tiers: TierMetrics | None = None
         self._seen: dict[tuple, float] = {}

@@ -18,8 +18,8 @@ Per engine (prefill or decode replica), before anything is loaded:
     kv_cache  --kv-cache-memory (on the CUDA device: nothing of the host's)
     overhead  ENGINE_OVERHEAD_BYTES: the interpreter, torch, kernels and step activations
 
-plus GATEWAY_BYTES for the gateway. SmolLM2-135M fp32 measured 540 MiB of weights held
-(`EngineCore.memory_bytes`, mapped); this estimate gives 540 MiB. Not counted: the first
+plus GATEWAY_BYTES for the gateway. SmolLM2-135M fp32 measured 513 MiB of weights held
+(`EngineCore.memory_bytes`, mapped); this estimate gives 513 MiB. Not counted: the first
 engine's transient peak while it packs the cache file (the checkpoint and the packed copy,
 2 x the parameters, for the seconds before it maps the file).
 """
