@@ -122,6 +122,8 @@ def load_or_build(key: str, build: Callable[[], dict[str, torch.Tensor]],
             mapped = _map(directory, key)  # another engine built it while this one waited
             if mapped is not None:
                 return mapped
+            for stale in directory.glob(f"{key}.*.tmp"):  # a builder killed mid-write
+                stale.unlink(missing_ok=True)
             tensors = build()
             _write(directory, key, tensors)
             del tensors

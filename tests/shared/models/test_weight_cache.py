@@ -54,7 +54,9 @@ def test_built_once_then_mapped_read_only(tmp_path):
 
 
 def test_a_file_cut_short_is_rebuilt(tmp_path):
+    (tmp_path / "k.bin.999.tmp").write_bytes(b"left by a builder killed mid-write")
     weight_cache.load_or_build("k", _tensors, tmp_path)
+    assert not (tmp_path / "k.bin.999.tmp").exists()
     data = tmp_path / "k.bin"
     data.write_bytes(data.read_bytes()[:100])
     builds = []
