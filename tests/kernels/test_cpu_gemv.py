@@ -38,6 +38,26 @@ def test_a_row_is_the_same_whatever_the_other_rows():
     assert torch.equal(cpu_gemv.linear(x[150:299].clone(), w), full[150:299])
 
 
+@pytest.mark.skipif(cpu_gemv.load_kernel(torch.bfloat16) is None, reason="no bf16 build")
+@pytest.mark.parametrize("m", [1, 8, 9, 50])
+def test_bf16_panels_sum_in_fp32(m):
+    """bf16 weights widened exactly: the result is F.linear over the same bf16 values in
+    fp32 (up to summation order), for fp32 and bf16 inputs; a row's bits do not depend on M."""
+    g = torch.Generator().manual_seed(m)
+    weight = torch.randn(100, 300, generator=g).bfloat16()
+    bias = torch.randn(100, generator=g)
+    w = cpu_gemv.pack_weight(weight, bias, torch.bfloat16)
+    assert w.wpacked.dtype == torch.bfloat16 and torch.equal(cpu_gemv.unpack_weight(w), weight)
+    x = torch.randn(m, 300, generator=g)
+    out = cpu_gemv.linear(x, w)
+    torch.testing.assert_close(out, F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-4)
+    assert torch.equal(cpu_gemv.linear(x[:1].clone(), w), out[:1])
+    xb = x.bfloat16()
+    outb = cpu_gemv.linear(xb, w)
+    assert outb.dtype == torch.bfloat16
+    assert torch.equal(outb, cpu_gemv.linear(xb.float(), w).bfloat16())  # rounded once
+
+
 def test_gemm_with_k_past_one_slice_and_ragged_panels():
     # K = 700 spans three 256-deep slices (the last partial); N = 130 leaves a ragged panel.
     g = torch.Generator().manual_seed(3)
@@ -61,5 +81,7 @@ def test_strided_rows_and_what_it_does_not_take():
     assert cpu_gemv.linear(torch.randn(0, 32), w).shape == (0, 64)
     assert cpu_gemv.linear(torch.randn(1, 32, dtype=torch.float64), w) is None
     assert torch.equal(cpu_gemv.unpack_weight(w), weight)
-    with pytest.raises(ValueError, match="float32"):
-        cpu_gemv.pack_weight(torch.randn(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_gemv.pack_weight(torch.ones(4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_gemv.pack_weight(weight, dtype=torch.float16)
