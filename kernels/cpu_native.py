@@ -50,24 +50,34 @@ class NativeKernel(NamedTuple):
     head_dim: int
     num_kv_heads: int
     group_size: int
+    kv_dtype: torch.dtype = torch.float32
+    """The cache's dtype: float32 or bfloat16."""
 
 
 @functools.cache
-def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> NativeKernel | None:
-    """Compiles and loads the kernel for these shapes; None when it cannot be built here."""
+def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int,
+                       kv_dtype: torch.dtype = torch.float32) -> NativeKernel | None:
+    """Compiles and loads the kernel for these shapes and a float32 or bfloat16 cache (the
+    query and output are float32 either way); None when it cannot be built here."""
+    if kv_dtype not in (torch.float32, torch.bfloat16):
+        return None
     compiler = _find_compiler()
     if compiler is None:
         logger.info("no C compiler found; CPU attention uses torch ops only")
         return None
     defines = (f"-DHEAD_DIM={head_dim}", f"-DNUM_KV_HEADS={num_kv_heads}",
                f"-DGROUP_SIZE={group_size}")
+    bf16 = kv_dtype == torch.bfloat16
+    if bf16:
+        defines += ("-DKV_BF16",)
     with tempfile.TemporaryDirectory(prefix="pdserve-kernels-") as build_dir:
         library = build_library(compiler, SOURCE, defines, FLAG_SETS, Path(build_dir))
         if library is None:
             logger.warning("could not compile %s; CPU attention uses torch ops only", SOURCE)
             return None
         # NOTE: dlopen maps the file, so the build directory can be removed right after.
-        function = ctypes.CDLL(str(library)).paged_attention_rows_f32
+        lib = ctypes.CDLL(str(library))
+        function = lib.paged_attention_rows_bf16 if bf16 else lib.paged_attention_rows_f32
     function.restype = ctypes.c_int
     function.argtypes = [
         _c_ptr, _c_int64, _c_int64,  # query, query_stride, num_tokens
@@ -77,7 +87,7 @@ def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int) -> Nat
         ctypes.c_float, ctypes.c_int, ctypes.c_float,  # scale, sliding_window, soft_cap
         _c_ptr, _c_int64, ctypes.c_int,  # out, out_stride, threads
     ]
-    return NativeKernel(function, head_dim, num_kv_heads, group_size)
+    return NativeKernel(function, head_dim, num_kv_heads, group_size, kv_dtype)
 
 
 class DecodeRows(NamedTuple):
@@ -113,7 +123,8 @@ def paged_attention_rows(
     Args:
         kernel: from `load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)`.
         query: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
-        k_cache: [num_blocks, block_size, num_kv_heads, head_dim] float32, contiguous.
+        k_cache: [num_blocks, block_size, num_kv_heads, head_dim] in `kernel.kv_dtype`
+            (float32 or bfloat16), contiguous.
         v_cache: same as k_cache.
         block_table: [num_reqs, max_num_blocks_per_req] int32, last dim contiguous.
         rows: the rows to compute.
@@ -128,7 +139,8 @@ def paged_attention_rows(
     num_heads, head_dim = query.shape[1], query.shape[2]
     assert (head_dim, k_cache.shape[2]) == (kernel.head_dim, kernel.num_kv_heads)
     assert num_heads == kernel.num_kv_heads * kernel.group_size
-    assert query.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.float32
+    assert query.dtype == out.dtype == torch.float32
+    assert k_cache.dtype == v_cache.dtype == kernel.kv_dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.shape == v_cache.shape and out.shape == query.shape
     for x in (query, out):

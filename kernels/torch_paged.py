@@ -3,7 +3,8 @@
 How a mixed batch runs (PagedAttention, Kwon et al. 2023, for the cache layout):
 
 - Decode rows (q_len == 1) are all handled by one call, never a per-request loop. With the
-  native kernel (`kernels/cpu_native.py`: C + OpenMP, compiled at first use; fp32) each row
+  native kernel (`kernels/cpu_native.py`: C + OpenMP, compiled at first use; fp32, or a
+  bf16 cache with fp32 sums) each row
   reads its blocks straight from the cache: no gathered copy, no padding, ~1 read of the
   K/V. Without it (no C compiler, or another dtype) rows are sorted by length and bucketed;
   each bucket gathers K/V rows through the block table
@@ -238,7 +239,8 @@ def paged_attention(
 
     `torch_metadata`: from `prepare_torch_metadata` for this step and this `sliding_window`;
     built here when None (host time on every layer, so the model runner builds it once per
-    step). `use_native`: decodes run the compiled C kernel when it is available (fp32).
+    step). `use_native`: decodes run the compiled C kernel when it is available (fp32, or a bf16
+    cache with fp32 sums).
     `sliding_window`, `logits_soft_cap`: as `kernels.ops.paged_attention`.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -255,16 +257,25 @@ def paged_attention(
     if metadata.decode_rows.query_rows.numel() > 0:
         native = None
         # NOTE: the C kernel reads host memory: CUDA tensors take the torch ops.
-        if use_native and query.device.type == "cpu" \
-                and query.dtype == k_cache.dtype == torch.float32:
-            native = load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)
+        if use_native and query.device.type == "cpu" and query.dtype == k_cache.dtype \
+                and query.dtype in (torch.float32, torch.bfloat16):
+            native = load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads,
+                                        k_cache.dtype)
         if native is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
             if query.stride(2) != 1 or query.stride(1) != head_dim:
                 query = query.contiguous()
             block_table = attn_metadata.block_table.to(torch.int32).contiguous()
-            paged_attention_rows(native, query, k_cache, v_cache, block_table,
-                                 metadata.decode_rows, scale, out, sliding_window,
-                                 logits_soft_cap)
+            if query.dtype == torch.float32:
+                paged_attention_rows(native, query, k_cache, v_cache, block_table,
+                                     metadata.decode_rows, scale, out, sliding_window,
+                                     logits_soft_cap)
+            else:  # a bf16 cache: fp32 query and sums, the rows rounded to bf16 once
+                rows = metadata.decode_rows.query_rows
+                out32 = torch.empty(query.shape, dtype=torch.float32)
+                paged_attention_rows(native, query.float(), k_cache, v_cache, block_table,
+                                     metadata.decode_rows, scale, out32, sliding_window,
+                                     logits_soft_cap)
+                out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
         else:
             _decode_torch(query, k_cache, v_cache, metadata, scale, out, logits_soft_cap)
     for prefill in metadata.prefills:

@@ -17,6 +17,10 @@
  *   3. out[hq] = sum_t p[hq][t] * v[t][hq / GROUP_SIZE], one kv head at a time so the group's
  *      accumulators stay in registers.
  * The next block of a row is prefetched while the current one is processed.
+ *
+ * Built with -DKV_BF16 the cache holds bf16 (the upper 16 bits of an fp32, widened exactly
+ * in the inner loops); the query, the scores, the softmax and the sums stay fp32. Entry
+ * point: paged_attention_rows_bf16 (else paged_attention_rows_f32).
  */
 #include <float.h>
 #include <math.h>
@@ -24,44 +28,58 @@
 #include <stdlib.h>
 
 #define NUM_HEADS (NUM_KV_HEADS * GROUP_SIZE)
-#define TOKEN_STRIDE (NUM_KV_HEADS * HEAD_DIM) /* floats per cache row (one token) */
+#define TOKEN_STRIDE (NUM_KV_HEADS * HEAD_DIM) /* elements per cache row (one token) */
 #define FLOATS_PER_LINE 16
 
-static void prefetch_block(const float* block, int num_tokens) {
-    for (int i = 0; i < num_tokens * TOKEN_STRIDE; i += FLOATS_PER_LINE) {
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+#define ENTRY paged_attention_rows_bf16
+static inline float kv_to_f(uint16_t v) {
+    union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
+    return x.f;
+}
+#else
+typedef float kv_t;
+#define ENTRY paged_attention_rows_f32
+#define kv_to_f(v) (v)
+#endif
+#define KV_PER_LINE (64 / (int)sizeof(kv_t))
+
+static void prefetch_block(const kv_t* block, int num_tokens) {
+    for (int i = 0; i < num_tokens * TOKEN_STRIDE; i += KV_PER_LINE) {
         __builtin_prefetch(block + i);
     }
 }
 
 /* scores[hq * stride + t] for the n tokens of one block starting at t0. */
-static void score_block(const float* restrict k_block, const float* restrict q_scaled,
+static void score_block(const kv_t* restrict k_block, const float* restrict q_scaled,
                         float* restrict scores, int64_t stride, int t0, int n) {
     for (int t = 0; t < n; ++t) {
-        const float* restrict k_row = k_block + (int64_t)t * TOKEN_STRIDE;
+        const kv_t* restrict k_row = k_block + (int64_t)t * TOKEN_STRIDE;
         for (int hq = 0; hq < NUM_HEADS; ++hq) {
             const float* restrict q_head = q_scaled + hq * HEAD_DIM;
-            const float* restrict k_head = k_row + (hq / GROUP_SIZE) * HEAD_DIM;
+            const kv_t* restrict k_head = k_row + (hq / GROUP_SIZE) * HEAD_DIM;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < HEAD_DIM; ++d) dot += q_head[d] * k_head[d];
+            for (int d = 0; d < HEAD_DIM; ++d) dot += q_head[d] * kv_to_f(k_head[d]);
             scores[hq * stride + t0 + t] = dot;
         }
     }
 }
 
 /* acc[hq] += sum over the block's n tokens of probs[hq][t0 + t] * v[t][kv head of hq]. */
-static void accumulate_block(const float* restrict v_block, const float* restrict probs,
+static void accumulate_block(const kv_t* restrict v_block, const float* restrict probs,
                              float* restrict acc, int64_t stride, int t0, int n) {
     for (int h = 0; h < NUM_KV_HEADS; ++h) {
         float group_acc[GROUP_SIZE][HEAD_DIM];
         for (int g = 0; g < GROUP_SIZE; ++g)
             for (int d = 0; d < HEAD_DIM; ++d) group_acc[g][d] = acc[(h * GROUP_SIZE + g) * HEAD_DIM + d];
         for (int t = 0; t < n; ++t) {
-            const float* restrict v_head = v_block + (int64_t)t * TOKEN_STRIDE + h * HEAD_DIM;
+            const kv_t* restrict v_head = v_block + (int64_t)t * TOKEN_STRIDE + h * HEAD_DIM;
             for (int g = 0; g < GROUP_SIZE; ++g) {
                 const float p = probs[(h * GROUP_SIZE + g) * stride + t0 + t];
 #pragma omp simd
-                for (int d = 0; d < HEAD_DIM; ++d) group_acc[g][d] += p * v_head[d];
+                for (int d = 0; d < HEAD_DIM; ++d) group_acc[g][d] += p * kv_to_f(v_head[d]);
             }
         }
         for (int g = 0; g < GROUP_SIZE; ++g)
@@ -84,8 +102,8 @@ static void softmax_rows(float* restrict scores, int64_t stride, int n, float* r
     }
 }
 
-static void attend_row(const float* restrict q_row, float scale, const float* restrict k_cache,
-                       const float* restrict v_cache, const int32_t* restrict blocks,
+static void attend_row(const float* restrict q_row, float scale, const kv_t* restrict k_cache,
+                       const kv_t* restrict v_cache, const int32_t* restrict blocks,
                        int64_t block_size, int context_len, int sliding_window, float soft_cap,
                        float* restrict scores, int64_t stride, float* restrict out_row) {
     float q_scaled[NUM_HEADS * HEAD_DIM];
@@ -157,8 +175,8 @@ static int rows_are_valid(int64_t num_tokens, int64_t num_blocks, int64_t block_
  * Returns 0; -1 when a thread could not allocate its scores buffer (out is then incomplete);
  * -2 when an index is out of bounds (nothing is written).
  */
-int paged_attention_rows_f32(const float* query, int64_t query_stride, int64_t num_tokens,
-                             const float* k_cache, const float* v_cache, int64_t num_blocks,
+int ENTRY(const float* query, int64_t query_stride, int64_t num_tokens,
+                             const kv_t* k_cache, const kv_t* v_cache, int64_t num_blocks,
                              int64_t block_size, const int32_t* block_table, int64_t num_reqs,
                              int64_t block_table_width, int64_t block_table_stride,
                              const int64_t* token_ids, const int64_t* req_ids,

@@ -205,3 +205,34 @@ def test_loading_the_c_kernel_keeps_denormals():
     if out[0] != "True":
         pytest.skip("no C compiler: the kernel was not built")
     assert out[1:] == ["True", "True"], out
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), CONFIGS[:2])
+def test_bf16_cache_decodes_in_fp32(num_heads, num_kv_heads, head_dim, block_size) -> None:
+    """A bf16 batch (query and cache, as a `--dtype bfloat16` model holds them): the native
+    kernel's decode rows equal the reference run in fp32 over the same bf16 values, rounded
+    to bf16 once; the prefill rows (torch ops in bf16) stay within bf16's rounding."""
+    if load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads,
+                          torch.bfloat16) is None:
+        pytest.skip("no C compiler with OpenMP here")
+    seq_lens, query_lens = random_mixed_lens(16, 3, max_seq_len=150, max_query_len=20, seed=4)
+    batch = make_paged_batch(seq_lens, query_lens, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             block_size=block_size, seed=4)
+    b16 = batch._replace(query=batch.query.bfloat16(), k_cache=batch.k_cache.bfloat16(),
+                         v_cache=batch.v_cache.bfloat16())
+    out = torch_paged.paged_attention(*attention_args(b16, head_dim**-0.5), use_native=True)
+    assert out.dtype == torch.bfloat16
+    exact = reference.paged_attention(
+        b16.query.float(), b16.k_cache.float(), b16.v_cache.float(), batch.attn_metadata,
+        head_dim**-0.5)
+    starts = batch.query_start_loc.tolist()
+    decode_rows = [starts[i] for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    assert len(decode_rows) >= 10
+    rows = torch.tensor(decode_rows)
+    torch.testing.assert_close(out[rows].float(), exact[rows].bfloat16().float(),
+                               rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(out.float(), exact, rtol=3e-2, atol=3e-2)
+    fallback = torch_paged.paged_attention(*attention_args(b16, head_dim**-0.5),
+                                           use_native=False)
+    torch.testing.assert_close(out.float(), fallback.float(), rtol=3e-2, atol=3e-2)
