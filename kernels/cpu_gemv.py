@@ -27,6 +27,12 @@ from `F.linear` and oneDNN by fp32 rounding only (another summation order).
 Source: the layout is llama.cpp's / ggml's "repacked" CPU weights idea applied to fp32; the
 bandwidth argument is the roofline model (Williams et al., 2009).
 
+bf16 weights (`--dtype bfloat16`) run `csrc/bf16_gemm_cpu.c` on CPUs with AVX512-BF16:
+panels whose k steps come in pairs ([ceil(N / PANEL), K / 2, PANEL, 2]), one VDPBF16PS per
+pair of k against a broadcast pair of bf16 inputs, fp32 accumulation: half fp32's bytes per
+weight and half its instructions per multiply-add. The same GEMV / GEMM split and the same
+batch invariance hold.
+
 Set PDSERVE_CPU_GEMV=0 to use oneDNN (prepacked) instead. Without a C compiler or AVX-512
 `load_kernel` returns None and callers keep oneDNN.
 """
@@ -44,6 +50,7 @@ import torch
 from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "f32_gemv_cpu.c"
+BF16_SOURCE = Path(__file__).parent / "csrc" / "bf16_gemm_cpu.c"
 PANEL = 64
 """Output channels per K-major panel (256 bytes of weights per k step)."""
 PREFETCH_AHEAD = 2048
@@ -56,13 +63,15 @@ FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
 
 
 class GemvWeight(NamedTuple):
-    """A linear layer's fp32 weight packed for the kernel:
+    """A linear layer's weight packed for the kernel:
 
-        wpacked[p, k, c] = W[PANEL * p + c, k]      (rows past N are zeros)
+        float32:  wpacked[p, k, c] = W[PANEL * p + c, k]            (rows past N are zeros)
+        bfloat16: wpacked[p, j, c, h] = W[PANEL * p + c, 2 * j + h]  (k in pairs, K even)
     """
 
     wpacked: torch.Tensor
-    """[ceil(N / PANEL), K, PANEL] float32 or bfloat16, contiguous."""
+    """[ceil(N / PANEL), K, PANEL] float32 or [ceil(N / PANEL), K / 2, PANEL, 2] bfloat16,
+    contiguous."""
     bias: torch.Tensor | None
     """[PANEL * ceil(N / PANEL)] float32, or None for a layer without bias."""
     out_features: int
@@ -74,24 +83,38 @@ def is_enabled() -> bool:
     return os.environ.get("PDSERVE_CPU_GEMV", "1") != "0"
 
 
-def _has_avx512() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where unreadable)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return " avx512f" in f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return frozenset()
+
+
+def _has_avx512() -> bool:
+    return "avx512f" in cpu_flags()
+
+
+def has_bf16_instructions() -> bool:
+    """This CPU computes bf16 products natively (AVX512-BF16; every AMX CPU has it too)."""
+    return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache
 def load_kernel(weight_dtype: torch.dtype = torch.float32):
-    """Compiles and loads `csrc/f32_gemv_cpu.c` for fp32 or bf16 weights (-DW_BF16); None
-    without a compiler or AVX-512 (the portable C loop is slower than oneDNN, so it is not
-    used), or for another dtype."""
+    """Compiles and loads `csrc/f32_gemv_cpu.c` for fp32 weights or `csrc/bf16_gemm_cpu.c`
+    for bf16 ones; None without a compiler or AVX-512 (the portable C loop is slower than
+    oneDNN, so it is not used), for bf16 without AVX512-BF16, or for another dtype."""
     if weight_dtype not in (torch.float32, torch.bfloat16):
         return None
     bf16 = weight_dtype == torch.bfloat16
-    defines = (*_DEFINES, "-DW_BF16") if bf16 else _DEFINES
-    lib = load_library(SOURCE, defines, FLAG_SETS) if _has_avx512() else None
+    source = BF16_SOURCE if bf16 else SOURCE
+    usable = has_bf16_instructions() if bf16 else _has_avx512()
+    lib = load_library(source, _DEFINES, FLAG_SETS) if usable else None
     prefix = "bf16_" if bf16 else "f32_"
     if lib is None or not all(hasattr(lib, prefix + name)
                               for name in ("gemv", "gemm", "gemv_panel")):
@@ -118,11 +141,11 @@ class _Kernels(NamedTuple):
 def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
                 dtype: torch.dtype = torch.float32) -> GemvWeight:
     """weight [N, K] float CPU (bias [N]) -> GemvWeight with panels in `dtype` (float32, or
-    bfloat16: round to nearest even, exact for a bf16 weight); a copy of about N*K*4 (2)
-    bytes. The bias stays fp32.
+    bfloat16 in k pairs: round to nearest even, exact for a bf16 weight); a copy of about
+    N*K*4 (2) bytes. The bias stays fp32.
 
     Raises:
-        ValueError: not a 2-D floating CPU weight, or another panel dtype.
+        ValueError: not a 2-D floating CPU weight, another panel dtype, or bf16 with odd K.
     """
     if (weight.dim() != 2 or not weight.dtype.is_floating_point
             or weight.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)):
@@ -130,10 +153,15 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
                          f"either, got {tuple(weight.shape)} {weight.dtype} on "
                          f"{weight.device} to {dtype}")
     n, k = weight.shape
+    if dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"bf16 panels pair the input features: K must be even, got {k}")
     n_pad = -(-n // PANEL) * PANEL
     padded = torch.zeros(n_pad, k, dtype=dtype)
     padded[:n] = weight.detach()
-    wpacked = padded.view(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
+    if dtype == torch.bfloat16:
+        wpacked = padded.view(n_pad // PANEL, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    else:
+        wpacked = padded.view(n_pad // PANEL, PANEL, k).transpose(1, 2).contiguous()
     bias_pad = None
     if bias is not None:
         bias_pad = torch.zeros(n_pad)
@@ -143,16 +171,31 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None = None,
 
 def unpack_weight(w: GemvWeight) -> torch.Tensor:
     """GemvWeight -> the weight [N, K] it was packed from, in the panels' dtype."""
-    num_panels, k, _ = w.wpacked.shape
-    return w.wpacked.transpose(1, 2).reshape(num_panels * PANEL, k)[:w.out_features]
+    return rows(w, torch.arange(w.out_features))
+
+
+def in_features(w: GemvWeight) -> int:
+    """K of a packed weight (either layout)."""
+    return w.wpacked.shape[1] * (2 if w.wpacked.dim() == 4 else 1)
+
+
+def rows(w: GemvWeight, ids: torch.Tensor) -> torch.Tensor:
+    """W[ids] gathered from the panels: ids [T] int64 (each < N) -> [T, K] in the panels'
+    dtype (an embedding lookup in a tied LM head's panels; the same bits as the plain rows)."""
+    panel, chan = ids // PANEL, ids % PANEL
+    if w.wpacked.dim() == 4:
+        return w.wpacked[panel, :, chan, :].reshape(ids.shape[0], in_features(w))
+    return w.wpacked[panel, :, chan]
 
 
 def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
     """x [M, K] float32 or bfloat16 CPU, M >= 0 -> x @ W.T + bias, [M, N] in x's dtype; None
-    when the kernel does not take this input (another dtype, no kernel here). The products
-    and sums are fp32 whatever the dtypes (a bf16 x is widened first, the result rounded
-    once). 1..MAX_ROWS rows run the bandwidth-bound GEMV, more the register-blocked GEMM
-    over the same panels; both give the same bits for a row whatever M is."""
+    when the kernel does not take this input (another dtype, no kernel here). fp32 panels:
+    fp32 products and sums (a bf16 x widened exactly). bf16 panels: bf16 x bf16 products (an
+    fp32 x rounded to bf16 first, as oneDNN's bf16 matmul does) summed in fp32, the result
+    rounded once to x's dtype. 1..MAX_ROWS rows run the bandwidth-bound GEMV, more the
+    register-blocked GEMM over the same panels; both give the same bits for a row whatever
+    M is."""
     num_rows, k = x.shape
     if x.dtype not in (torch.float32, torch.bfloat16):
         return None
@@ -162,8 +205,8 @@ def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
     if kernels is None:
         return None
     out_dtype = x.dtype
-    if x.dtype != torch.float32:
-        x = x.float()
+    if x.dtype != w.wpacked.dtype:
+        x = x.to(w.wpacked.dtype)
     kernel = kernels.gemv if num_rows <= MAX_ROWS else kernels.gemm
     if x.stride(1) != 1:
         x = x.contiguous()

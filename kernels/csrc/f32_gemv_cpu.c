@@ -15,10 +15,7 @@
  * Threads (OpenMP) take runs of consecutive panels; the next panels' cache lines are
  * prefetched PREFETCH_AHEAD bytes ahead of the loads.
  *
- * Built with -DW_BF16 the same source reads bf16 weights (the upper 16 bits of an fp32:
- * widened exactly by a 16-bit shift, so any AVX-512F CPU runs it) with fp32 activations and
- * fp32 accumulation: half the bytes per weight, the same FMA chains. Its entry points are
- * then bf16_gemv / bf16_gemm / bf16_gemv_panel.
+ * bf16 weights have their own kernel (`bf16_gemm_cpu.c`, VDPBF16PS over k pairs).
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -34,30 +31,16 @@
 #define PREFETCH_AHEAD 1024
 #endif
 
-#ifdef W_BF16
-typedef uint16_t wtype;
-#define ENTRY(name) bf16_##name
-static inline float w_to_f(uint16_t w) {
-    union { uint32_t u; float f; } v = { (uint32_t)w << 16 };
-    return v.f;
-}
-#else
 typedef float wtype;
 #define ENTRY(name) f32_##name
 static inline float w_to_f(float w) { return w; }
-#endif
 #define W_ROW_BYTES (PANEL * (int)sizeof(wtype))
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define VECS (PANEL / 16)
-#ifdef W_BF16
-#define LOAD_W(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
-    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
-#else
 #define LOAD_W(p) _mm512_loadu_ps(p)
-#endif
 
 /* mb (<= TILE_ROWS) rows against one panel [K][PANEL]. */
 static inline __attribute__((always_inline)) void panel_rows(

@@ -46,8 +46,8 @@ class Linear(nn.Linear):
 
 class PanelEmbedding(nn.Module):
     """nn.Embedding read from a tied LM head's panels (`kernels.cpu_gemv.GemvWeight`), so the
-    vocabulary's fp32 rows are held once: row t is wpacked[t // PANEL, :, t % PANEL] (a
-    strided gather, [num_tokens, hidden_size] float32, the same bits as the plain table)."""
+    vocabulary's rows are held once: `cpu_gemv.rows` gathers row t from panel t // PANEL
+    ([num_tokens, hidden_size] in the panels' dtype, the same bits as the plain table)."""
 
     def __init__(self, head: cpu_gemv.GemvWeight) -> None:
         super().__init__()
@@ -55,12 +55,11 @@ class PanelEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The table [vocab_size, hidden_size] float32, unpacked (a copy)."""
+        """The table [vocab_size, hidden_size] in the panels' dtype, unpacked (a copy)."""
         return cpu_gemv.unpack_weight(self.head)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        panel = cpu_gemv.PANEL
-        return self.head.wpacked[input_ids // panel, :, input_ids % panel]
+        return cpu_gemv.rows(self.head, input_ids.reshape(-1)).view(*input_ids.shape, -1)
 
 
 class Int8Embedding(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from pdserve.kernels import cpu_gemv, cpu_int8, cpu_linear
 from pdserve.shared.models.layers import Int8Embedding, Linear, PanelEmbedding
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 """Bumped whenever `pack_weights`' names or tensors change (the weight cache's key)."""
 _WPACKED, _BIAS = ".wpacked", ".bias_padded"
 LM_HEAD = "lm_head"
@@ -200,7 +200,8 @@ def parameter_bytes(model) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and module.weight is None and module.gemv is not None:
             gemv = module.gemv
-            total += gemv.out_features * gemv.wpacked.shape[1] * gemv.wpacked.element_size()
+            total += (gemv.out_features * cpu_gemv.in_features(gemv)
+                      * gemv.wpacked.element_size())
     if model.lm_head_gemv is not None:
         total += (model.args.vocab_size * model.args.hidden_size
                   * model.lm_head_gemv.wpacked.element_size())

@@ -1,5 +1,5 @@
-"""The fp32 panel kernels (kernels/cpu_gemv.py): the GEMV of 1-8 rows and the GEMM of more,
-against F.linear and against each other (a row's bits do not depend on M)."""
+"""The panel kernels (kernels/cpu_gemv.py, fp32 and bf16): the GEMV of 1-8 rows and the
+GEMM of more, against F.linear and against each other (a row's bits do not depend on M)."""
 
 from __future__ import annotations
 
@@ -38,24 +38,37 @@ def test_a_row_is_the_same_whatever_the_other_rows():
     assert torch.equal(cpu_gemv.linear(x[150:299].clone(), w), full[150:299])
 
 
-@pytest.mark.skipif(cpu_gemv.load_kernel(torch.bfloat16) is None, reason="no bf16 build")
+@pytest.mark.skipif(cpu_gemv.load_kernel(torch.bfloat16) is None,
+                    reason="no AVX512-BF16 here: bf16 weights are refused")
 @pytest.mark.parametrize("m", [1, 8, 9, 50])
 def test_bf16_panels_sum_in_fp32(m):
-    """bf16 weights widened exactly: the result is F.linear over the same bf16 values in
-    fp32 (up to summation order), for fp32 and bf16 inputs; a row's bits do not depend on M."""
+    """bf16 x bf16 products summed in fp32 (VDPBF16PS over k pairs): the result is F.linear
+    over the same bf16 values in fp32 up to summation order, rounded once to bf16; an fp32
+    input is rounded to bf16 first; a row's bits do not depend on M. K = 600 spans three
+    GEMM slices; N = 100 leaves a ragged panel."""
     g = torch.Generator().manual_seed(m)
-    weight = torch.randn(100, 300, generator=g).bfloat16()
+    weight = torch.randn(100, 600, generator=g).bfloat16()
     bias = torch.randn(100, generator=g)
     w = cpu_gemv.pack_weight(weight, bias, torch.bfloat16)
-    assert w.wpacked.dtype == torch.bfloat16 and torch.equal(cpu_gemv.unpack_weight(w), weight)
-    x = torch.randn(m, 300, generator=g)
-    out = cpu_gemv.linear(x, w)
-    torch.testing.assert_close(out, F.linear(x, weight.float(), bias), rtol=1e-5, atol=1e-4)
-    assert torch.equal(cpu_gemv.linear(x[:1].clone(), w), out[:1])
-    xb = x.bfloat16()
+    assert w.wpacked.shape == (2, 300, cpu_gemv.PANEL, 2)
+    assert torch.equal(cpu_gemv.unpack_weight(w), weight)
+    ids = torch.tensor([99, 0, 64, 63])
+    assert torch.equal(cpu_gemv.rows(w, ids), weight[ids])
+    xb = torch.randn(m, 600, generator=g).bfloat16()
     outb = cpu_gemv.linear(xb, w)
-    assert outb.dtype == torch.bfloat16
-    assert torch.equal(outb, cpu_gemv.linear(xb.float(), w).bfloat16())  # rounded once
+    assert outb.dtype == torch.bfloat16 and outb.shape == (m, 100)
+    exact = F.linear(xb.double(), weight.double(), bias.double())
+    # fp32 sums of 600 terms (|terms| ~ 1), then one bf16 rounding (relative 2^-8)
+    torch.testing.assert_close(outb.double(), exact, rtol=2 ** -8, atol=1e-3)
+    out32 = cpu_gemv.linear(xb.float(), w)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-3)
+    assert torch.equal(outb, out32.bfloat16())  # rounded once
+    assert torch.equal(cpu_gemv.linear(xb[-1:].clone(), w), outb[-1:])
+    x32 = torch.randn(m, 600, generator=g)
+    assert torch.equal(cpu_gemv.linear(x32, w), cpu_gemv.linear(x32.bfloat16().float(), w))
+    with pytest.raises(ValueError, match="K must be even"):
+        cpu_gemv.pack_weight(weight[:, :599], dtype=torch.bfloat16)
 
 
 def test_gemm_with_k_past_one_slice_and_ragged_panels():
