@@ -301,13 +301,13 @@ class Server:
         name = args.model or args.model_dir.name
         if system == "pdserve":
             self.cmd = [str(args.pdserve_bin), "up", "--model", str(args.model_dir), "--port",
-                        str(args.port), "--max-model-len", "4096",
+                        str(args.port), "--max-model-len", "4096", "--dtype", args.dtype,
                         *shlex.split(args.pdserve_flags)]
             self.env = {**os.environ, "HF_HUB_OFFLINE": "1"}
             self.stop_signal = signal.SIGTERM
         else:
             self.cmd = [str(args.vllm_venv / "bin/vllm"), "serve", str(args.model_dir),
-                        "--dtype", "float32", "--max-model-len", "4096",
+                        "--dtype", args.dtype, "--max-model-len", "4096",
                         "--served-model-name", name, "--host", "127.0.0.1",
                         "--port", str(args.port), *shlex.split(args.vllm_flags)]
             self.env = {**os.environ, **VLLM_ENV, "HF_HUB_OFFLINE": "1"}
@@ -460,6 +460,8 @@ def parse_args() -> argparse.Namespace:
                     default=Path(__file__).resolve().parents[1] / ".venv" / "bin" / "pdserve")
     ap.add_argument("--vllm-venv", type=Path, default=Path("/tmp/vllmenv"))
     ap.add_argument("--vllm-flags", default="", help="extra `vllm serve` flags")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both servers' --dtype (bfloat16: vLLM's default on CPU)")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=900.0)
     args = ap.parse_args()

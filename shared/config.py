@@ -90,7 +90,8 @@ class ModelConfig:
     served_model_name: str
     """The name clients use (OpenAI `model` field); also a prefix-hash extra key."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and KV dtype. fp32 on CPU: these CPUs lack bf16 matrix units."""
+    """Weights and KV dtype. fp32 is the exact default; bfloat16 on CPU needs AVX512-BF16
+    (`EngineArgs.resolve_dtype`), and runs the VDPBF16PS panels (`kernels.cpu_gemv`)."""
     max_model_len: int = 2048
     """Prompt + generated tokens, at most the model's max_position_embeddings."""
     vocab_size: int = 0

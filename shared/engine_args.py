@@ -135,8 +135,9 @@ class EngineArgs:
         g.add_argument("--served-model-name", default=env("served_model_name", None))
         g.add_argument("--dtype", default=env("dtype", d.dtype),
                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
-                       help="auto: float32 on CPU, the model's 16-bit dtype on CUDA; "
-                            "float = float32, half = float16 (as vLLM)")
+                       help="auto: bfloat16 on CPUs with AVX512-BF16 (else float32), the "
+                            "model's 16-bit dtype on CUDA; float = float32, half = float16 "
+                            "(as vLLM)")
         g.add_argument("--max-model-len", type=int, default=env("max_model_len", None))
         g.add_argument("--block-size", type=int, default=int(env("block_size", d.block_size)))
         g.add_argument("--kv-cache-memory", default=env("kv_cache_memory", d.kv_cache_memory),
@@ -258,13 +259,26 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
 
     def resolve_dtype(self, hf_config: dict) -> str:
-        """--dtype as ModelConfig takes it: vLLM's aliases (float, half) and "auto"
-        (float32 on CPU; on CUDA the checkpoint's bfloat16 / float16, else float16)."""
+        """--dtype as ModelConfig takes it: vLLM's aliases (float, half) and "auto" (on CPU
+        bfloat16 where the CPU has AVX512-BF16, as vLLM's CPU backend picks it, else
+        float32; on CUDA the checkpoint's bfloat16 / float16, else float16).
+
+        Raises:
+            ValueError: bfloat16 on a CPU without AVX512-BF16 (no fast path: refused).
+        """
+        from pdserve.kernels.cpu_gemv import has_bf16_instructions
+
         alias = {"float": "float32", "half": "float16"}
+        if self.device == "cpu":
+            dtype = alias.get(self.dtype, self.dtype)
+            if dtype == "auto":
+                return "bfloat16" if has_bf16_instructions() else "float32"
+            if dtype == "bfloat16" and not has_bf16_instructions():
+                raise ValueError("--dtype bfloat16 on CPU needs AVX512-BF16 (or AMX), which "
+                                 "this CPU lacks: use --dtype float32")
+            return dtype
         if self.dtype != "auto":
             return alias.get(self.dtype, self.dtype)
-        if self.device == "cpu":
-            return "float32"
         # NOTE: transformers 5 writes "dtype" where 4.x wrote "torch_dtype".
         torch_dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "")
         return torch_dtype if torch_dtype in ("bfloat16", "float16") else "float16"

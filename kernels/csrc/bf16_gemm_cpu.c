@@ -10,6 +10,9 @@
  * products to 16 fp32 accumulators, so a k pair costs one instruction where fp32 takes two
  * FMAs, and a weight is 2 bytes where fp32's is 4.
  *
+ * The result is written as fp32 to y, or, with y16, rounded once to bf16 (nearest even, as
+ * torch's .to(torch.bfloat16)) into y16, y then only holding the partial sums of K > GEMM_KC.
+ *
  * Every output is one chain of VDPBF16PS over j in order 0..K/2-1 started from zero (fp32
  * accumulation, round to nearest even, bf16 denormals read as zero), plus bias[n] at the
  * end: the same operations whatever M and whichever entry point (bf16_gemv for up to
@@ -58,6 +61,17 @@ static inline __m512 dot2(__m512 acc, __m512i x2, __m512i w) {
     return _mm512_dpbf16_ps(acc, (__m512bh)x2, (__m512bh)w);
 }
 
+/* fp32 -> bf16, round to nearest even (c10::BFloat16's rounding; NaN -> 0x7FC0). */
+static inline __m256i to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r,
+                                _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 static inline void panel_masks(int64_t n_valid, __mmask16 mask[VECS]) {
     for (int v = 0; v < VECS; v++) {
         const int64_t left = n_valid - 16 * v;
@@ -67,11 +81,12 @@ static inline void panel_masks(int64_t n_valid, __mmask16 mask[VECS]) {
 }
 
 /* mr rows x one panel over k pairs [0, kp) of a slice: acc from y (first: from zero); y gets
- * the partial sums, or the result plus bias when last. prefetch: stream-ahead for the GEMV. */
+ * the partial sums, or when last the result plus bias (in y16 as bf16 when y16 is not NULL).
+ * prefetch: stream-ahead for the GEMV. */
 static inline __attribute__((always_inline)) void tile(
         const bf16 *x, int64_t x_stride, const int mr, const bf16 *w, int64_t kp, float *y,
-        int64_t N, const int first, const int last, const float *b, const __mmask16 *mask,
-        const int prefetch) {
+        bf16 *y16, int64_t N, const int first, const int last, const float *b,
+        const __mmask16 *mask, const int prefetch) {
     __m512 acc[GEMM_MR][VECS];
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < VECS; v++)
@@ -92,34 +107,40 @@ static inline __attribute__((always_inline)) void tile(
     for (int v = 0; v < VECS; v++) {
         const __m512 bv = (last && b != NULL) ? _mm512_loadu_ps(b + 16 * v)
                                               : _mm512_setzero_ps();
-        for (int i = 0; i < mr; i++)
-            _mm512_mask_storeu_ps(y + i * N + 16 * v, mask[v],
-                                  last ? _mm512_add_ps(acc[i][v], bv) : acc[i][v]);
+        for (int i = 0; i < mr; i++) {
+            if (last && y16 != NULL)
+                _mm256_mask_storeu_epi16(y16 + i * N + 16 * v, mask[v],
+                                         to_bf16(_mm512_add_ps(acc[i][v], bv)));
+            else
+                _mm512_mask_storeu_ps(y + i * N + 16 * v, mask[v],
+                                      last ? _mm512_add_ps(acc[i][v], bv) : acc[i][v]);
+        }
     }
 }
 
 /* The GEMV: tiles of 4 rows over a whole panel, streamed with prefetch. */
 static void gemv_panel_rows(const bf16 *x, int64_t x_stride, int64_t M, const bf16 *w,
-                            const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid,
-                            int64_t kp) {
+                            const float *b, float *y, bf16 *y16, int64_t N, int64_t n0,
+                            int64_t n_valid, int64_t kp) {
     __mmask16 mask[VECS];
     panel_masks(n_valid, mask);
     for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
         const bf16 *xm = x + m0 * x_stride;
-        float *ym = y + m0 * N + n0;
+        float *ym = y16 != NULL ? NULL : y + m0 * N + n0;
+        bf16 *ym16 = y16 != NULL ? y16 + m0 * N + n0 : NULL;
         switch (M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS) {
-            case 4: tile(xm, x_stride, 4, w, kp, ym, N, 1, 1, b, mask, 1); break;
-            case 3: tile(xm, x_stride, 3, w, kp, ym, N, 1, 1, b, mask, 1); break;
-            case 2: tile(xm, x_stride, 2, w, kp, ym, N, 1, 1, b, mask, 1); break;
-            default: tile(xm, x_stride, 1, w, kp, ym, N, 1, 1, b, mask, 1); break;
+            case 4: tile(xm, x_stride, 4, w, kp, ym, ym16, N, 1, 1, b, mask, 1); break;
+            case 3: tile(xm, x_stride, 3, w, kp, ym, ym16, N, 1, 1, b, mask, 1); break;
+            case 2: tile(xm, x_stride, 2, w, kp, ym, ym16, N, 1, 1, b, mask, 1); break;
+            default: tile(xm, x_stride, 1, w, kp, ym, ym16, N, 1, 1, b, mask, 1); break;
         }
     }
 }
 
 /* The GEMM: GEMM_MR-row micro-tiles over GEMM_KC-deep slices of one panel. */
 static void gemm_item(const bf16 *x, int64_t x_stride, int64_t m0, int64_t m1, const bf16 *w,
-                      const float *b, float *y, int64_t N, int64_t n0, int64_t n_valid,
-                      int64_t K) {
+                      const float *b, float *y, bf16 *y16, int64_t N, int64_t n0,
+                      int64_t n_valid, int64_t K) {
     __mmask16 mask[VECS];
     panel_masks(n_valid, mask);
     for (int64_t k0 = 0; k0 < K; k0 += GEMM_KC) {
@@ -129,14 +150,15 @@ static void gemm_item(const bf16 *x, int64_t x_stride, int64_t m0, int64_t m1, c
         for (int64_t m = m0; m < m1; m += GEMM_MR) {
             const bf16 *xm = x + m * x_stride + k0;
             float *ym = y + m * N + n0;
+            bf16 *ym16 = y16 != NULL ? y16 + m * N + n0 : NULL;
             const int64_t kp = kc / 2;
             switch (m1 - m < GEMM_MR ? m1 - m : GEMM_MR) {
-                case 6: tile(xm, x_stride, 6, wk, kp, ym, N, first, last, b, mask, 0); break;
-                case 5: tile(xm, x_stride, 5, wk, kp, ym, N, first, last, b, mask, 0); break;
-                case 4: tile(xm, x_stride, 4, wk, kp, ym, N, first, last, b, mask, 0); break;
-                case 3: tile(xm, x_stride, 3, wk, kp, ym, N, first, last, b, mask, 0); break;
-                case 2: tile(xm, x_stride, 2, wk, kp, ym, N, first, last, b, mask, 0); break;
-                default: tile(xm, x_stride, 1, wk, kp, ym, N, first, last, b, mask, 0); break;
+                case 6: tile(xm, x_stride, 6, wk, kp, ym, ym16, N, first, last, b, mask, 0); break;
+                case 5: tile(xm, x_stride, 5, wk, kp, ym, ym16, N, first, last, b, mask, 0); break;
+                case 4: tile(xm, x_stride, 4, wk, kp, ym, ym16, N, first, last, b, mask, 0); break;
+                case 3: tile(xm, x_stride, 3, wk, kp, ym, ym16, N, first, last, b, mask, 0); break;
+                case 2: tile(xm, x_stride, 2, wk, kp, ym, ym16, N, first, last, b, mask, 0); break;
+                default: tile(xm, x_stride, 1, wk, kp, ym, ym16, N, first, last, b, mask, 0); break;
             }
         }
     }
@@ -144,9 +166,11 @@ static void gemm_item(const bf16 *x, int64_t x_stride, int64_t m0, int64_t m1, c
 
 /* y [M, N] fp32 (row stride N) = x [M, K] bf16 (row stride x_stride) . W^T + bias, any
  * M >= 1; bit-identical to bf16_gemv. wpacked: ceil(N / PANEL) panels [K/2][PANEL][2] bf16;
- * bias: NULL or PANEL * ceil(N / PANEL) floats. Returns 0, or -1 when M < 1 or K is odd. */
+ * bias: NULL or PANEL * ceil(N / PANEL) floats. y16: NULL, or [M, N] bf16 that gets the
+ * result (y then holds partial sums only, and is not read or written when K <= GEMM_KC).
+ * Returns 0, or -1 when M < 1 or K is odd. */
 int bf16_gemm(const bf16 *x, int64_t x_stride, const bf16 *wpacked, const float *bias,
-              float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+              float *y, bf16 *y16, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || K % 2 != 0) return -1;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     /* Blocks of up to GEMM_MC rows, smaller (a multiple of GEMM_MR) while there are fewer
@@ -164,15 +188,15 @@ int bf16_gemm(const bf16 *x, int64_t x_stride, const bf16 *wpacked, const float 
         const int64_t m0 = mb * mc;
         const int64_t m1 = M - m0 < mc ? M : m0 + mc;
         gemm_item(x, x_stride, m0, m1, wpacked + p * K * PANEL,
-                  bias != NULL ? bias + n0 : NULL, y, N, n0, n_valid, K);
+                  bias != NULL ? bias + n0 : NULL, y, y16, N, n0, n_valid, K);
     }
     return 0;
 }
 
-/* As bf16_gemm for 1..MAX_ROWS rows, each thread streaming whole panels front to back.
- * Returns 0, or -1 when M is outside 1..MAX_ROWS or K is odd. */
+/* As bf16_gemm for 1..MAX_ROWS rows, each thread streaming whole panels front to back (y
+ * unused when y16 is given). Returns 0, or -1 when M is outside 1..MAX_ROWS or K is odd. */
 int bf16_gemv(const bf16 *x, int64_t x_stride, const bf16 *wpacked, const float *bias,
-              float *y, int64_t M, int64_t N, int64_t K, int num_threads) {
+              float *y, bf16 *y16, int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || M > MAX_ROWS || K % 2 != 0) return -1;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -180,7 +204,7 @@ int bf16_gemv(const bf16 *x, int64_t x_stride, const bf16 *wpacked, const float 
         const int64_t n0 = p * PANEL;
         const int64_t n_valid = N - n0 < PANEL ? N - n0 : PANEL;
         gemv_panel_rows(x, x_stride, M, wpacked + p * K * PANEL,
-                        bias != NULL ? bias + n0 : NULL, y, N, n0, n_valid, K / 2);
+                        bias != NULL ? bias + n0 : NULL, y, y16, N, n0, n_valid, K / 2);
     }
     return 0;
 }

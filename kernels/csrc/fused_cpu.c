@@ -209,3 +209,126 @@ int rotary_embedding_f32(const int64_t* positions, int64_t num_tokens, float* q,
     }
     return 0;
 }
+
+/* ---- bf16 rows (--dtype bfloat16): the same ops as torch's bf16 ops, bit for bit. ----
+ * A bf16 op in torch widens its inputs to fp32 (exactly), computes one fp32 result and
+ * rounds it to bf16 (nearest even); a chain of them (q * cos + rotate_half(q) * sin) rounds
+ * after each op. These kernels do the same operations and roundings in the same order, so
+ * the model's bf16 forward is the same bits with or without them. */
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_f(bf16_t h) { return float_from_bits((int32_t)((uint32_t)h << 16)); }
+
+static inline bf16_t f_to_bf16(float f) {  /* c10::BFloat16's round_to_nearest_even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (bf16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
+
+#define MAX_BF16_ROW 16384
+
+/* out[t][j] = bf16(bf16(silu(gate[j])) * up[j]): F.silu(gate) * up on bf16 tensors. ATen's
+ * bf16 silu runs vectors of 2 * SILU_VEC_LANES bf16 in pairs (4 * SILU_VEC_LANES a step). */
+void silu_and_mul_bf16(const bf16_t* input, int64_t input_stride, int64_t num_tokens,
+                       int64_t d, bf16_t* out, int64_t out_stride, int num_threads) {
+#ifdef USE_SLEEF_EXP
+    const int64_t vec_end = d / (4 * SILU_VEC_LANES) * (4 * SILU_VEC_LANES);
+#else
+    const int64_t vec_end = 0;
+#endif
+    const int64_t chunks_per_row = (d + SILU_CHUNK - 1) / SILU_CHUNK;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t item = 0; item < num_tokens * chunks_per_row; ++item) {
+        const int64_t t = item / chunks_per_row;
+        const int64_t begin = item % chunks_per_row * SILU_CHUNK;
+        const int64_t end = begin + SILU_CHUNK < d ? begin + SILU_CHUNK : d;
+        const int64_t split = vec_end < begin ? begin : (vec_end < end ? vec_end : end);
+        const bf16_t* restrict gate = input + t * input_stride;
+        const bf16_t* restrict up = gate + d;
+        bf16_t* restrict out_row = out + t * out_stride;
+#pragma omp simd
+        for (int64_t j = begin; j < split; ++j) {
+            const float g = bf16_to_f(gate[j]);
+            out_row[j] = f_to_bf16(round_bf16(g / (1.0f + expf_sleef(-g))) * bf16_to_f(up[j]));
+        }
+        for (int64_t j = split; j < end; ++j) {
+            const float g = bf16_to_f(gate[j]);
+            out_row[j] = f_to_bf16(round_bf16(g / (1.0f + expf(-g))) * bf16_to_f(up[j]));
+        }
+    }
+}
+
+/* out_row = bf16(weight * bf16(x * inv_rms)), the mean of squares over the row widened to
+ * fp32 (x.float().pow(2).mean() in the same order as the fp32 kernel). */
+static void normalize_row_bf16(const bf16_t* restrict x_row, const bf16_t* restrict weight,
+                               int64_t n, float eps, bf16_t* out_row) {
+    float x32[MAX_BF16_ROW];
+#pragma omp simd
+    for (int64_t e = 0; e < n; ++e) x32[e] = bf16_to_f(x_row[e]);
+    const float inv_rms = 1.0f / sqrtf(sum_of_squares(x32, n) / (float)n + eps);
+#pragma omp simd
+    for (int64_t e = 0; e < n; ++e)
+        out_row[e] = f_to_bf16(bf16_to_f(weight[e]) * round_bf16(x32[e] * inv_rms));
+}
+
+/* As rms_norm_f32 on bf16 rows and a bf16 weight; hidden <= MAX_BF16_ROW. */
+void rms_norm_bf16(const bf16_t* x, int64_t x_stride, const bf16_t* weight,
+                   int64_t num_tokens, int64_t hidden, float eps, bf16_t* out,
+                   int64_t out_stride, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t)
+        normalize_row_bf16(x + t * x_stride, weight, hidden, eps, out + t * out_stride);
+}
+
+/* In place: residual[t] = bf16(residual[t] + x[t]); x[t] = rms_norm(residual[t]). */
+void fused_add_rms_norm_bf16(bf16_t* x, int64_t x_stride, bf16_t* residual,
+                             int64_t residual_stride, const bf16_t* weight, int64_t num_tokens,
+                             int64_t hidden, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        bf16_t* restrict x_row = x + t * x_stride;
+        bf16_t* restrict residual_row = residual + t * residual_stride;
+#pragma omp simd
+        for (int64_t e = 0; e < hidden; ++e)
+            residual_row[e] = f_to_bf16(bf16_to_f(residual_row[e]) + bf16_to_f(x_row[e]));
+        normalize_row_bf16(residual_row, weight, hidden, eps, x_row);
+    }
+}
+
+/* x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), bf16 tables. */
+static void rotate_heads_bf16(bf16_t* restrict row, int64_t num_heads, int64_t head_dim,
+                              const bf16_t* restrict cos_row, const bf16_t* restrict sin_row) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < num_heads; ++h) {
+        bf16_t* restrict x1 = row + h * head_dim;
+        bf16_t* restrict x2 = x1 + half;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+            const float a = bf16_to_f(x1[d]), b = bf16_to_f(x2[d]);
+            x1[d] = f_to_bf16(round_bf16(a * bf16_to_f(cos_row[d]))
+                              + round_bf16(-b * bf16_to_f(sin_row[d])));
+            x2[d] = f_to_bf16(round_bf16(b * bf16_to_f(cos_row[half + d]))
+                              + round_bf16(a * bf16_to_f(sin_row[half + d])));
+        }
+    }
+}
+
+/* As rotary_embedding_f32 on bf16 q, k and tables. */
+int rotary_embedding_bf16(const int64_t* positions, int64_t num_tokens, bf16_t* q,
+                          int64_t q_stride, int64_t num_heads, bf16_t* k, int64_t k_stride,
+                          int64_t num_kv_heads, const bf16_t* cos, const bf16_t* sin,
+                          int64_t max_positions, int64_t head_dim, int num_threads) {
+    for (int64_t t = 0; t < num_tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= max_positions) return -2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const bf16_t* cos_row = cos + positions[t] * head_dim;
+        const bf16_t* sin_row = sin + positions[t] * head_dim;
+        rotate_heads_bf16(q + t * q_stride, num_heads, head_dim, cos_row, sin_row);
+        rotate_heads_bf16(k + t * k_stride, num_kv_heads, head_dim, cos_row, sin_row);
+    }
+    return 0;
+}

@@ -7,9 +7,9 @@ only the rows that sample a token go through the LM head.
 
 Each decoder layer carries the residual stream separately, as vLLM's do:
 layer(hidden, residual) -> (hidden, residual), so the residual add can be fused into the next
-RMSNorm. On CPU in fp32 the norms, rotary embeddings and SiLU-and-mul run as the fused C ops of
-`kernels.cpu_fused` (bit-identical to the torch ops; chosen once, by `set_fused_cpu_ops`);
-other devices and dtypes run the torch ops.
+RMSNorm. On CPU in fp32 and bf16 the norms, rotary embeddings and SiLU-and-mul run as the
+fused C ops of `kernels.cpu_fused` (bit-identical to the torch ops; chosen once, by
+`set_fused_cpu_ops`); other devices and dtypes run the torch ops.
 
 Source: Touvron et al. 2023 (Llama); Su et al. 2021 (RoPE); Kwon et al. 2023 (PagedAttention).
 """
@@ -315,11 +315,12 @@ class LlamaForCausalLM(nn.Module):
 
     def set_fused_cpu_ops(self, enabled: bool) -> None:
         """Choose, once after the weights are loaded, between the fused CPU ops and the torch
-        ops for every norm, MLP and the rotary embedding. Enabled needs fp32 weights on CPU
-        and a working C compiler (`kernels.cpu_fused.load_fused_kernels`); otherwise the torch
-        ops stay. Both give bit-identical results."""
+        ops for every norm, MLP and the rotary embedding. Enabled needs fp32 or bf16 weights
+        on CPU and a working C compiler (`kernels.cpu_fused.load_fused_kernels`); otherwise
+        the torch ops stay. Both give bit-identical results."""
         weight = self.norm.weight
-        enabled = (enabled and weight.device.type == "cpu" and weight.dtype == torch.float32
+        enabled = (enabled and weight.device.type == "cpu"
+                   and weight.dtype in (torch.float32, torch.bfloat16)
                    and cpu_fused.load_fused_kernels() is not None)
         for module in self.modules():
             if isinstance(module, (RMSNorm, LlamaMLP)):
@@ -333,9 +334,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head_int8 is not None:
             return cpu_int8.linear(hidden, self.lm_head_int8)
         if self.lm_head_gemv is not None:
-            logits = cpu_gemv.linear(hidden, self.lm_head_gemv)
+            logits = cpu_gemv.linear(hidden, self.lm_head_gemv, torch.float32)
             if logits is not None:
-                return logits.float()
+                return logits
         if self.lm_head_packed is not None:
             return cpu_linear.linear(hidden, self.lm_head_packed).float()
         return F.linear(hidden, weight_layout.head_weight(self)).float()

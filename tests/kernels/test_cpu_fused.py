@@ -212,3 +212,37 @@ def test_threads_for_gives_small_inputs_one_thread():
         assert cpu_fused.threads_for(2048, 576) == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 7), (5, 64), (64, 576), (3, 1537)])
+def test_bf16_ops_match_torchs_bf16_ops(num_tokens, hidden, backend):
+    """--dtype bfloat16: each fused op gives the bits of the torch bf16 ops the model runs
+    without it (one bf16 rounding per torch op), strided rows included."""
+    torch.manual_seed(hidden)
+    wide = (torch.randn(num_tokens, 2 * hidden + 3) * 4).bfloat16()
+    gate_up = wide[:, :2 * hidden]
+    gate, up = gate_up.split(hidden, dim=-1)
+    assert_matches(cpu_fused.silu_and_mul(gate_up), F.silu(gate) * up)
+
+    x, weight = wide[:, :hidden], torch.randn(hidden).bfloat16()
+    x32 = x.float()
+    ref = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    assert_matches(cpu_fused.rms_norm(x, weight, 1e-5), ref)
+    h, residual = x.clone(), torch.randn(num_tokens, hidden).bfloat16()
+    expected_residual = residual + h
+    r32 = expected_residual.float()
+    expected = weight * (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    cpu_fused.fused_add_rms_norm(h, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_residual)
+    assert_matches(h, expected)
+
+    cos, sin = (t.bfloat16() for t in rope_tables(512, 64))
+    qkv = torch.randn(num_tokens, 5 * 64).bfloat16()
+    original = qkv.clone()
+    q, k = qkv[:, :192].view(num_tokens, 3, 64), qkv[:, 192:256].view(num_tokens, 1, 64)
+    positions = torch.randint(0, 512, (num_tokens,))
+    cpu_fused.rotary_embedding(q, k, positions, cos, sin)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    assert_matches(q, rotate_reference(original[:, :192].view_as(q), c, s))
+    assert_matches(k, rotate_reference(original[:, 192:256].view_as(k), c, s))
+    assert torch.equal(qkv[:, 256:], original[:, 256:])

@@ -67,9 +67,10 @@ def test_vllm_style_command_lines_parse():
     assert parser.parse_args(args).serve_role == "gateway"
 
 
-def test_a_vllm_serve_command_line_runs_here(model_path):
+def test_a_vllm_serve_command_line_runs_here(model_path, monkeypatch):
     """The flags a `vllm serve` command line commonly carries parse; --dtype's vLLM values
-    resolve (auto: float32 on CPU); parallel sizes other than 1 are refused by name; the
+    resolve (auto: bfloat16 on a CPU with AVX512-BF16, else float32; bfloat16 refused
+    without it); parallel sizes other than 1 are refused by name; the
     engines get the flags back from `pdserve up` unchanged."""
     from pdserve.services.cli import build_parser, normalize_argv
     from pdserve.services.launcher.config import config_from_args
@@ -84,7 +85,10 @@ def test_a_vllm_serve_command_line_runs_here(model_path):
     engine = config.engine_args
     assert (engine.dtype, engine.tensor_parallel_size, engine.gpu_memory_utilization,
             engine.trust_remote_code, engine.enforce_eager) == ("auto", 1, 0.9, True, True)
-    assert engine.create_engine_configs()[0].dtype == "float32"
+    from pdserve.kernels import cpu_gemv  # auto: bf16 where the CPU has it, as vLLM's CPU
+
+    has_bf16 = cpu_gemv.has_bf16_instructions()
+    assert engine.create_engine_configs()[0].dtype == ("bfloat16" if has_bf16 else "float32")
     flags = engine_flags(engine)
     assert "--trust-remote-code" in flags and flags[flags.index("--dtype") + 1] == "auto"
     for value, expected in (("float", "float32"), ("half", "float16"),
@@ -92,6 +96,11 @@ def test_a_vllm_serve_command_line_runs_here(model_path):
         assert EngineArgs(model=model_path, dtype=value).resolve_dtype({}) == expected
     assert EngineArgs(dtype="auto", device="cuda").resolve_dtype(
         {"torch_dtype": "bfloat16"}) == "bfloat16"
+    with monkeypatch.context() as m:  # a CPU without AVX512-BF16: auto is fp32, bf16 refused
+        m.setattr(cpu_gemv, "has_bf16_instructions", lambda: False)
+        assert EngineArgs(model=model_path, dtype="auto").resolve_dtype({}) == "float32"
+        with pytest.raises(ValueError, match="needs AVX512-BF16"):
+            EngineArgs(model=model_path, dtype="bfloat16").resolve_dtype({})
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineArgs(model=model_path, tensor_parallel_size=2).create_engine_configs()
 
