@@ -57,8 +57,9 @@ PREFETCH_AHEAD = 2048
 """Bytes ahead of the current k step that the kernel prefetches."""
 MAX_ROWS = 8
 """The most rows the GEMV runs; larger inputs run the GEMM."""
-GEMM_KC = 256
-"""The GEMM's K slice (as built: GEMM_KC in the C files)."""
+BF16_GEMM_KC = 1024
+"""The bf16 GEMM's K slice (-DGEMM_KC): a slice of a 64-wide bf16 panel is 128 KiB, in L2;
+the fp32 GEMM keeps its 256 (the partial sums of longer K go through memory)."""
 # (compile flags, link flags), tried in order. Never -ffast-math (see cpu_build.py).
 _DEFINES = (f"-DPANEL={PANEL}", f"-DPREFETCH_AHEAD={PREFETCH_AHEAD}", f"-DMAX_ROWS={MAX_ROWS}")
 FLAG_SETS = ((("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)),)
@@ -116,7 +117,8 @@ def load_kernel(weight_dtype: torch.dtype = torch.float32):
     bf16 = weight_dtype == torch.bfloat16
     source = BF16_SOURCE if bf16 else SOURCE
     usable = has_bf16_instructions() if bf16 else _has_avx512()
-    lib = load_library(source, _DEFINES, FLAG_SETS) if usable else None
+    defines = (*_DEFINES, f"-DGEMM_KC={BF16_GEMM_KC}") if bf16 else _DEFINES
+    lib = load_library(source, defines, FLAG_SETS) if usable else None
     prefix = "bf16_" if bf16 else "f32_"
     if lib is None or not all(hasattr(lib, prefix + name)
                               for name in ("gemv", "gemm", "gemv_panel")):
@@ -226,7 +228,7 @@ def linear(x: torch.Tensor, w: GemvWeight,
         # GEMM whose K spans more than one slice.
         out = torch.empty(shape, dtype=out_dtype)
         bf16_out = out_dtype == torch.bfloat16
-        scratch = (torch.empty(shape) if bf16_out and not gemv and k > GEMM_KC
+        scratch = (torch.empty(shape) if bf16_out and not gemv and k > BF16_GEMM_KC
                    else None if bf16_out else out)
         status = kernel(x.data_ptr(), x.stride(0), w.wpacked.data_ptr(), bias_ptr,
                         scratch.data_ptr() if scratch is not None else None,

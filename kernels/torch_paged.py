@@ -15,6 +15,10 @@ How a mixed batch runs (PagedAttention, Kwon et al. 2023, for the cache layout):
 - Chunked prefills (q_len > 1, few per step) loop per request: gather the request's K/V,
   then `scaled_dot_product_attention` (FlashAttention-style CPU kernel in torch) with a
   bottom-right causal mask, since the chunk's queries are the request's last q_len positions.
+  With a bf16 cache the engine asks for `prefill_rows` instead: each prompt token is a row of
+  the native kernel over the keys up to its position (torch's bf16 SDPA on CPUs without AMX
+  runs its matmuls through fp32 at or below fp32's speed; the rows read the cache in place,
+  with fp32 sums, and a row's result does not depend on its batch).
 
 `prepare_torch_metadata` does all host-side index work (the `.tolist()` calls, the sort, the
 gather indices and masks) once per step; pass its result to every layer's `paged_attention`:
@@ -89,6 +93,7 @@ def prepare_torch_metadata(
     num_kv_heads: int,
     bucket_size: int = DECODE_BUCKET_SIZE,
     sliding_window: int | None = None,
+    prefill_rows: bool = False,
 ) -> TorchAttentionMetadata:
     """Builds the step's indices once (all host work), for every layer's `paged_attention`.
 
@@ -97,8 +102,9 @@ def prepare_torch_metadata(
     own position (causal; their K/V is stored before attention reads it). Other requests
     are prefill slices. `bucket_size`: decode rows per bucket in the torch-ops fallback.
     `sliding_window`: build for layers that see only each query's last W keys (a model with
-    local and global layers builds one per kind). Its tensors are on the block table's
-    device.
+    local and global layers builds one per kind). `prefill_rows`: prompt tokens become
+    decode rows too, as verify rows do (for the C kernel, which reads each row's keys from
+    the cache: no gather, no SDPA). Its tensors are on the block table's device.
     """
     device = attn_metadata.block_table.device
     seq_lens = attn_metadata.seq_lens.tolist()
@@ -112,7 +118,7 @@ def prepare_torch_metadata(
         start, end = starts[req_idx], starts[req_idx + 1]
         if end - start == 1:
             decode_reqs.append(req_idx)
-        elif req_idx in verify_reqs:
+        elif req_idx in verify_reqs or prefill_rows:
             verify_rows.extend((start + j, req_idx, seq_len - (end - start) + 1 + j)
                                for j in range(end - start))
         elif end - start > 1:

@@ -192,10 +192,16 @@ int ENTRY(gemm)(const float *x, int64_t x_stride, const wtype *wpacked, const fl
     if (M < 1) return -1;
     const int64_t num_panels = (N + PANEL - 1) / PANEL;
     /* Blocks of up to GEMM_MC rows, smaller (a multiple of GEMM_MR) while there are fewer
-     * than 4 items per thread, so that few panels still spread evenly over the threads. */
+     * than 4 items per thread, or while the items split unevenly over the threads (9 panels
+     * on 2 threads: one waits a ninth of the call), so that few panels still spread evenly. */
     int64_t mc = GEMM_MC;
-    while (mc > GEMM_MR && num_panels * ((M + mc - 1) / mc) < 4 * (int64_t)num_threads)
+    for (;;) {
+        const int64_t items = num_panels * ((M + mc - 1) / mc);
+        const int64_t per_thread = (items + num_threads - 1) / num_threads;
+        const int uneven = per_thread * num_threads * 20 > items * 21; /* > 5% idle */
+        if (mc <= GEMM_MR || (items >= 4 * (int64_t)num_threads && !uneven)) break;
         mc = ((mc / 2 + GEMM_MR - 1) / GEMM_MR) * GEMM_MR;
+    }
     const int64_t num_mblocks = (M + mc - 1) / mc;
     const int64_t num_items = num_panels * num_mblocks;
 #pragma omp parallel for schedule(static) num_threads(num_threads)

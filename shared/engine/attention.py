@@ -14,15 +14,20 @@ from pdserve.kernels.attn_metadata import AttentionMetadata
 
 class PagedAttention:
     def __init__(self, metadata: AttentionMetadata, backend: str, block_size: int,
-                 num_kv_heads: int) -> None:
+                 num_kv_heads: int, prefill_rows: bool = False) -> None:
+        """prefill_rows (torch backend): prompt tokens attend as rows of the C kernel, as
+        decodes do (`ops.prepare_torch_metadata`); the engine sets it for a bf16 cache on
+        CPU, where torch's bf16 SDPA runs at fp32 speed or below."""
         self.metadata = metadata
+        self.prefill_rows = prefill_rows
         self.backend = backend
         # NOTE: the torch (CPU) path builds its gather indices, and checks the slots for
         # padding, once per step, not per layer.
         is_torch = backend == "torch"
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
-        self.torch_metadata = (ops.prepare_torch_metadata(metadata, block_size, num_kv_heads)
+        self.torch_metadata = (ops.prepare_torch_metadata(metadata, block_size, num_kv_heads,
+                                                          prefill_rows=prefill_rows)
                                if is_torch else None)
         self._windowed_metadata: dict[int, ops.TorchAttentionMetadata] = {}
         """The torch path's indices per sliding window, built at a window's first layer."""
@@ -45,7 +50,7 @@ class PagedAttention:
             if torch_metadata is None:
                 torch_metadata = ops.prepare_torch_metadata(
                     self.metadata, self.block_size, self.num_kv_heads,
-                    sliding_window=sliding_window)
+                    sliding_window=sliding_window, prefill_rows=self.prefill_rows)
                 self._windowed_metadata[sliding_window] = torch_metadata
         return ops.paged_attention(query, k_cache, v_cache, self.metadata, scale,
                                    backend=self.backend, torch_metadata=torch_metadata,

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels.attn_metadata import AttentionMetadata, build_attn_metadata
+from pdserve.kernels.cpu_native import load_native_kernel
 from pdserve.shared.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig
 from pdserve.shared.engine.attention import PagedAttention
 from pdserve.shared.engine.cuda_graph import CUDAGraphRunner
@@ -122,6 +123,11 @@ class ModelRunner:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch"
         self.attention_backend = backend
+        self.prefill_rows = backend == "torch" and self.device.type == "cpu" \
+            and self.dtype == torch.bfloat16 and load_native_kernel(
+                self.args.head_dim, self.args.num_kv_heads,
+                self.args.num_heads // self.args.num_kv_heads, self.dtype) is not None
+        """bf16 on CPU: prompt tokens attend as rows of the C kernel (`PagedAttention`)."""
         self.sampler = Sampler(seed=model_config.seed)
         self.pooling_states: dict[str, torch.Tensor] = {}
         """Pooling requests' state between prompt chunks (shared/engine/pooler.py)."""
@@ -200,7 +206,7 @@ class ModelRunner:
         if batch is not None:
             return graphs.run(input_ids, positions, attn_metadata, batch)
         attn = PagedAttention(attn_metadata, self.attention_backend, self.block_size,
-                              self.args.num_kv_heads)
+                              self.args.num_kv_heads, prefill_rows=self.prefill_rows)
         return self.model(input_ids, positions, self.kv_caches, attn)
 
     @torch.inference_mode()

@@ -44,31 +44,31 @@ def test_a_row_is_the_same_whatever_the_other_rows():
 def test_bf16_panels_sum_in_fp32(m):
     """bf16 x bf16 products summed in fp32 (VDPBF16PS over k pairs): the result is F.linear
     over the same bf16 values in fp32 up to summation order, rounded once to bf16; an fp32
-    input is rounded to bf16 first; a row's bits do not depend on M. K = 600 spans three
+    input is rounded to bf16 first; a row's bits do not depend on M. K = 1100 spans two
     GEMM slices; N = 100 leaves a ragged panel."""
     g = torch.Generator().manual_seed(m)
-    weight = torch.randn(100, 600, generator=g).bfloat16()
+    weight = torch.randn(100, 1100, generator=g).bfloat16()
     bias = torch.randn(100, generator=g)
     w = cpu_gemv.pack_weight(weight, bias, torch.bfloat16)
-    assert w.wpacked.shape == (2, 300, cpu_gemv.PANEL, 2)
+    assert w.wpacked.shape == (2, 550, cpu_gemv.PANEL, 2)
     assert torch.equal(cpu_gemv.unpack_weight(w), weight)
     ids = torch.tensor([99, 0, 64, 63])
     assert torch.equal(cpu_gemv.rows(w, ids), weight[ids])
-    xb = torch.randn(m, 600, generator=g).bfloat16()
+    xb = torch.randn(m, 1100, generator=g).bfloat16()
     outb = cpu_gemv.linear(xb, w)
     assert outb.dtype == torch.bfloat16 and outb.shape == (m, 100)
     exact = F.linear(xb.double(), weight.double(), bias.double())
-    # fp32 sums of 600 terms (|terms| ~ 1), then one bf16 rounding (relative 2^-8)
+    # fp32 sums of 1100 terms (|terms| ~ 1), then one bf16 rounding (relative 2^-8)
     torch.testing.assert_close(outb.double(), exact, rtol=2 ** -8, atol=1e-3)
     out32 = cpu_gemv.linear(xb.float(), w)
     assert out32.dtype == torch.float32
     torch.testing.assert_close(out32.double(), exact, rtol=1e-5, atol=1e-3)
     assert torch.equal(outb, out32.bfloat16())  # rounded once
     assert torch.equal(cpu_gemv.linear(xb[-1:].clone(), w), outb[-1:])
-    x32 = torch.randn(m, 600, generator=g)
+    x32 = torch.randn(m, 1100, generator=g)
     assert torch.equal(cpu_gemv.linear(x32, w), cpu_gemv.linear(x32.bfloat16().float(), w))
     with pytest.raises(ValueError, match="K must be even"):
-        cpu_gemv.pack_weight(weight[:, :599], dtype=torch.bfloat16)
+        cpu_gemv.pack_weight(weight[:, :1099], dtype=torch.bfloat16)
 
 
 def test_gemm_with_k_past_one_slice_and_ragged_panels():

@@ -211,7 +211,8 @@ def test_loading_the_c_kernel_keeps_denormals():
 def test_bf16_cache_decodes_in_fp32(num_heads, num_kv_heads, head_dim, block_size) -> None:
     """A bf16 batch (query and cache, as a `--dtype bfloat16` model holds them): the native
     kernel's decode rows equal the reference run in fp32 over the same bf16 values, rounded
-    to bf16 once; the prefill rows (torch ops in bf16) stay within bf16's rounding."""
+    to bf16 once; the prefill rows (torch ops in bf16) stay within bf16's rounding, and
+    equal the reference too when they run as kernel rows."""
     if load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads,
                           torch.bfloat16) is None:
         pytest.skip("no C compiler with OpenMP here")
@@ -236,3 +237,11 @@ def test_bf16_cache_decodes_in_fp32(num_heads, num_kv_heads, head_dim, block_siz
     fallback = torch_paged.paged_attention(*attention_args(b16, head_dim**-0.5),
                                            use_native=False)
     torch.testing.assert_close(out.float(), fallback.float(), rtol=3e-2, atol=3e-2)
+    # As the engine runs a bf16 cache: the prompt tokens as kernel rows too (prefill_rows).
+    meta = torch_paged.prepare_torch_metadata(batch.attn_metadata, block_size, num_kv_heads,
+                                              prefill_rows=True)
+    assert not meta.prefills and len(meta.decode_rows.query_rows) == sum(query_lens)
+    as_rows = torch_paged.paged_attention(*attention_args(b16, head_dim**-0.5),
+                                          torch_metadata=meta, use_native=True)
+    torch.testing.assert_close(as_rows.float(), exact.bfloat16().float(), rtol=8e-3, atol=1e-5)
+    assert torch.equal(as_rows[rows], out[rows])
