@@ -58,7 +58,8 @@ class NativeKernel(NamedTuple):
 def load_native_kernel(head_dim: int, num_kv_heads: int, group_size: int,
                        kv_dtype: torch.dtype = torch.float32) -> NativeKernel | None:
     """Compiles and loads the kernel for these shapes and a float32 or bfloat16 cache (the
-    query and output are float32 either way); None when it cannot be built here."""
+    query and output in the cache's dtype, fp32 sums either way); None when it cannot be
+    built here."""
     if kv_dtype not in (torch.float32, torch.bfloat16):
         return None
     compiler = _find_compiler()
@@ -122,14 +123,16 @@ def paged_attention_rows(
 
     Args:
         kernel: from `load_native_kernel(head_dim, num_kv_heads, num_heads // num_kv_heads)`.
-        query: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
+        query: [num_tokens, num_heads, head_dim] in `kernel.kv_dtype`, each row's heads
+            contiguous (bf16: the scores are fp32 sums of exact bf16 products).
         k_cache: [num_blocks, block_size, num_kv_heads, head_dim] in `kernel.kv_dtype`
             (float32 or bfloat16), contiguous.
         v_cache: same as k_cache.
         block_table: [num_reqs, max_num_blocks_per_req] int32, last dim contiguous.
         rows: the rows to compute.
         scale: softmax scale.
-        out: [num_tokens, num_heads, head_dim] float32, each row's heads contiguous.
+        out: [num_tokens, num_heads, head_dim] in `kernel.kv_dtype`, each row's heads
+            contiguous (bf16: the fp32 result rounded once).
         sliding_window: None, or the number of most recent keys each row attends to.
         logits_soft_cap: None, or c: each scaled score s becomes c * tanh(s / c) (Gemma 2).
 
@@ -139,8 +142,7 @@ def paged_attention_rows(
     num_heads, head_dim = query.shape[1], query.shape[2]
     assert (head_dim, k_cache.shape[2]) == (kernel.head_dim, kernel.num_kv_heads)
     assert num_heads == kernel.num_kv_heads * kernel.group_size
-    assert query.dtype == out.dtype == torch.float32
-    assert k_cache.dtype == v_cache.dtype == kernel.kv_dtype
+    assert query.dtype == out.dtype == k_cache.dtype == v_cache.dtype == kernel.kv_dtype
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert k_cache.shape == v_cache.shape and out.shape == query.shape
     for x in (query, out):

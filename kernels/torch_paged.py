@@ -271,17 +271,10 @@ def paged_attention(
             if query.stride(2) != 1 or query.stride(1) != head_dim:
                 query = query.contiguous()
             block_table = attn_metadata.block_table.to(torch.int32).contiguous()
-            if query.dtype == torch.float32:
-                paged_attention_rows(native, query, k_cache, v_cache, block_table,
-                                     metadata.decode_rows, scale, out, sliding_window,
-                                     logits_soft_cap)
-            else:  # a bf16 cache: fp32 query and sums, the rows rounded to bf16 once
-                rows = metadata.decode_rows.query_rows
-                out32 = torch.empty(query.shape, dtype=torch.float32)
-                paged_attention_rows(native, query.float(), k_cache, v_cache, block_table,
-                                     metadata.decode_rows, scale, out32, sliding_window,
-                                     logits_soft_cap)
-                out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
+            # a bf16 cache: bf16 query and rows, fp32 sums, each row rounded to bf16 once
+            paged_attention_rows(native, query, k_cache, v_cache, block_table,
+                                 metadata.decode_rows, scale, out, sliding_window,
+                                 logits_soft_cap)
         else:
             _decode_torch(query, k_cache, v_cache, metadata, scale, out, logits_soft_cap)
     for prefill in metadata.prefills:

@@ -18,8 +18,10 @@
  *      accumulators stay in registers.
  * The next block of a row is prefetched while the current one is processed.
  *
- * Built with -DKV_BF16 the cache holds bf16 (the upper 16 bits of an fp32, widened exactly
- * in the inner loops); the query, the scores, the softmax and the sums stay fp32. Entry
+ * Built with -DKV_BF16 the cache, the query and the output are bf16 (the upper 16 bits of an
+ * fp32, widened exactly); the scores, the softmax and the sums stay fp32 and each output is
+ * rounded to bf16 once (nearest even). With AVX512-BF16 the scores are VDPBF16PS dot
+ * products of the bf16 query and keys (exact products, fp32 sums), scaled after. Entry
  * point: paged_attention_rows_bf16 (else paged_attention_rows_f32).
  */
 #include <float.h>
@@ -38,11 +40,18 @@ static inline float kv_to_f(uint16_t v) {
     union { uint32_t u; float f; } x = { (uint32_t)v << 16 };
     return x.f;
 }
+static inline uint16_t f_to_out(float f) { /* round to nearest even, as torch's .bfloat16() */
+    union { float f; uint32_t u; } x = { f };
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
+}
 #else
 typedef float kv_t;
 #define ENTRY paged_attention_rows_f32
 #define kv_to_f(v) (v)
+#define f_to_out(v) (v)
 #endif
+typedef kv_t q_t; /* the query and the output are in the cache's dtype */
 #define KV_PER_LINE (64 / (int)sizeof(kv_t))
 
 static void prefetch_block(const kv_t* block, int num_tokens) {
@@ -84,8 +93,50 @@ static inline __m512 transpose_sum16(const __m512* v) {
                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+#if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
+/* VDPBF16PS: a K row (32 bf16 per vector, no widening) against the group's bf16 queries. */
+#define DQ (HEAD_DIM / 32)
 static void score_block(const kv_t* restrict k_block, const float* restrict q_scaled,
-                        float* restrict scores, int64_t stride, int t0, int n) {
+                        const q_t* restrict q_raw, float scale, float* restrict scores,
+                        int64_t stride, int t0, int n) {
+    (void)q_scaled;
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int c = 0; c < n; c += 16) {
+        const int m = n - c < 16 ? n - c : 16;
+        for (int h = 0; h < NUM_KV_HEADS; ++h) {
+            __m512i qv[GROUP_SIZE][DQ];
+            for (int g = 0; g < GROUP_SIZE; ++g)
+                for (int i = 0; i < DQ; ++i)
+                    qv[g][i] = _mm512_loadu_si512(q_raw + (h * GROUP_SIZE + g) * HEAD_DIM + 32 * i);
+            __m512 part[GROUP_SIZE][16];
+            for (int t = 0; t < 16; ++t) {
+                if (t >= m) {
+                    for (int g = 0; g < GROUP_SIZE; ++g) part[g][t] = _mm512_setzero_ps();
+                    continue;
+                }
+                const kv_t* k_head = k_block + (int64_t)(c + t) * TOKEN_STRIDE + h * HEAD_DIM;
+                __m512i kv[DQ];
+                for (int i = 0; i < DQ; ++i) kv[i] = _mm512_loadu_si512(k_head + 32 * i);
+                for (int g = 0; g < GROUP_SIZE; ++g) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int i = 0; i < DQ; ++i)
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][i], (__m512bh)kv[i]);
+                    part[g][t] = acc;
+                }
+            }
+            const __mmask16 mask = (__mmask16)((1u << m) - 1);
+            for (int g = 0; g < GROUP_SIZE; ++g)
+                _mm512_mask_storeu_ps(scores + (h * GROUP_SIZE + g) * stride + t0 + c, mask,
+                                      _mm512_mul_ps(transpose_sum16(part[g]), scale_v));
+        }
+    }
+}
+#else
+static void score_block(const kv_t* restrict k_block, const float* restrict q_scaled,
+                        const q_t* restrict q_raw, float scale, float* restrict scores,
+                        int64_t stride, int t0, int n) {
+    (void)q_raw;
+    (void)scale;
     for (int c = 0; c < n; c += 16) {
         const int m = n - c < 16 ? n - c : 16;
         for (int h = 0; h < NUM_KV_HEADS; ++h) {
@@ -116,6 +167,8 @@ static void score_block(const kv_t* restrict k_block, const float* restrict q_sc
     }
 }
 
+#endif
+
 static void accumulate_block(const kv_t* restrict v_block, const float* restrict probs,
                              float* restrict acc, int64_t stride, int t0, int n) {
     for (int h = 0; h < NUM_KV_HEADS; ++h) {
@@ -141,7 +194,10 @@ static void accumulate_block(const kv_t* restrict v_block, const float* restrict
 #else
 /* scores[hq * stride + t] for the n tokens of one block starting at t0. */
 static void score_block(const kv_t* restrict k_block, const float* restrict q_scaled,
-                        float* restrict scores, int64_t stride, int t0, int n) {
+                        const q_t* restrict q_raw, float scale, float* restrict scores,
+                        int64_t stride, int t0, int n) {
+    (void)q_raw;
+    (void)scale;
     for (int t = 0; t < n; ++t) {
         const kv_t* restrict k_row = k_block + (int64_t)t * TOKEN_STRIDE;
         for (int hq = 0; hq < NUM_HEADS; ++hq) {
@@ -192,10 +248,10 @@ static void softmax_rows(float* restrict scores, int64_t stride, int n, float* r
     }
 }
 
-static void attend_row(const float* restrict q_row, float scale, const kv_t* restrict k_cache,
+static void attend_row(const q_t* restrict q_row, float scale, const kv_t* restrict k_cache,
                        const kv_t* restrict v_cache, const int32_t* restrict blocks,
                        int64_t block_size, int context_len, int sliding_window, float soft_cap,
-                       float* restrict scores, int64_t stride, float* restrict out_row) {
+                       float* restrict scores, int64_t stride, q_t* restrict out_row) {
     float q_scaled[NUM_HEADS * HEAD_DIM];
     float acc[NUM_HEADS * HEAD_DIM];
     float inv_sum[NUM_HEADS];
@@ -205,14 +261,14 @@ static void attend_row(const float* restrict q_row, float scale, const kv_t* res
     const int start = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
     const int first_block = (int)(start / block_size);
     const int len = context_len - start;
-    for (int i = 0; i < NUM_HEADS * HEAD_DIM; ++i) q_scaled[i] = q_row[i] * scale;
+    for (int i = 0; i < NUM_HEADS * HEAD_DIM; ++i) q_scaled[i] = kv_to_f(q_row[i]) * scale;
     for (int b = first_block; b < num_blocks; ++b) {
         const int t0 = (int)(b * block_size);
         const int lo = t0 > start ? t0 : start;
         const int hi = context_len - t0 < block_size ? context_len : t0 + (int)block_size;
         if (b + 1 < num_blocks) prefetch_block(k_cache + blocks[b + 1] * block_stride, (int)block_size);
         score_block(k_cache + blocks[b] * block_stride + (int64_t)(lo - t0) * TOKEN_STRIDE, q_scaled,
-                    scores, stride, lo - start, hi - lo);
+                    q_row, scale, scores, stride, lo - start, hi - lo);
     }
     if (soft_cap > 0.0f) {
         const float inv_cap = 1.0f / soft_cap;
@@ -230,7 +286,8 @@ static void attend_row(const float* restrict q_row, float scale, const kv_t* res
                          acc, stride, lo - start, hi - lo);
     }
     for (int hq = 0; hq < NUM_HEADS; ++hq)
-        for (int d = 0; d < HEAD_DIM; ++d) out_row[hq * HEAD_DIM + d] = acc[hq * HEAD_DIM + d] * inv_sum[hq];
+        for (int d = 0; d < HEAD_DIM; ++d)
+            out_row[hq * HEAD_DIM + d] = f_to_out(acc[hq * HEAD_DIM + d] * inv_sum[hq]);
 }
 
 /* Returns 1 when every index the rows use is in bounds, so the kernel cannot read or write
@@ -256,7 +313,8 @@ static int rows_are_valid(int64_t num_tokens, int64_t num_blocks, int64_t block_
 }
 
 /*
- * query, out: [num_tokens, NUM_HEADS, HEAD_DIM], row strides query_stride / out_stride.
+ * query, out: [num_tokens, NUM_HEADS, HEAD_DIM] in the cache's dtype, row strides
+ * query_stride / out_stride.
  * k_cache, v_cache: contiguous [num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM].
  * block_table: [num_reqs, block_table_width] int32, row stride block_table_stride.
  * token_ids, req_ids: [num_rows] int64; context_lens: [num_rows] int32, 1 <= len <=
@@ -265,14 +323,14 @@ static int rows_are_valid(int64_t num_tokens, int64_t num_blocks, int64_t block_
  * Returns 0; -1 when a thread could not allocate its scores buffer (out is then incomplete);
  * -2 when an index is out of bounds (nothing is written).
  */
-int ENTRY(const float* query, int64_t query_stride, int64_t num_tokens,
+int ENTRY(const q_t* query, int64_t query_stride, int64_t num_tokens,
                              const kv_t* k_cache, const kv_t* v_cache, int64_t num_blocks,
                              int64_t block_size, const int32_t* block_table, int64_t num_reqs,
                              int64_t block_table_width, int64_t block_table_stride,
                              const int64_t* token_ids, const int64_t* req_ids,
                              const int32_t* context_lens, int64_t num_rows,
                              int64_t max_context_len, float scale, int sliding_window,
-                             float soft_cap, float* out, int64_t out_stride, int num_threads) {
+                             float soft_cap, q_t* out, int64_t out_stride, int num_threads) {
     if (!rows_are_valid(num_tokens, num_blocks, block_size, block_table, num_reqs,
                         block_table_width, block_table_stride, token_ids, req_ids,
                         context_lens, num_rows, max_context_len))
