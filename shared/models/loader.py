@@ -99,6 +99,9 @@ def _load_cached(model_path: Path, dtype: str, int8: bool) -> LlamaForCausalLM |
     """The CPU model with its panels (or int8 weights) mapped from the host's weight cache,
     packed first by this process if no engine of the host has; None when the cache cannot
     be used (logged: the caller packs privately)."""
+    model = _build(read_hf_config(model_path))
+    if not weight_layout.panels_fit(model, _DTYPES[dtype]):
+        return None  # an odd K: bf16 stays plain (torch's bf16 matmul)
     files = checkpoint_files(model_path)
     variant = {"dtype": dtype, "quantization": "int8" if int8 else "none",
                "layout": weight_layout.LAYOUT_VERSION, "panel": cpu_gemv.PANEL}
@@ -119,7 +122,6 @@ def _load_cached(model_path: Path, dtype: str, int8: bool) -> LlamaForCausalLM |
     except OSError as e:
         logger.warning("weight cache not usable (%s): packing the weights in this process", e)
         return None
-    model = _build(read_hf_config(model_path))
     (weight_layout.install_int8 if int8 else weight_layout.install_packed)(model, tensors)
     model.weight_mapping = mapping
     _finish(model, "cpu", _DTYPES[dtype])

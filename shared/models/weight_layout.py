@@ -43,12 +43,21 @@ def panels_available(dtype: torch.dtype = torch.float32) -> bool:
     return cpu_gemv.is_enabled() and cpu_gemv.load_kernel(dtype) is not None
 
 
+def panels_fit(model, dtype: torch.dtype) -> bool:
+    """The model's layers can be held as `dtype` panels: bf16 panels pair the input features,
+    so every linear layer's K (and the LM head's, hidden_size) must be even."""
+    if dtype != torch.bfloat16:
+        return True
+    return model.args.hidden_size % 2 == 0 and all(
+        m.in_features % 2 == 0 for m in model.modules() if isinstance(m, Linear))
+
+
 def set_packed_linear(model, enabled: bool) -> None:
     """See `LlamaForCausalLM.set_packed_linear`."""
     weight = model.norm.weight
     enabled = enabled and weight.device.type == "cpu"
     unpack(model)
-    if enabled and panels_available(weight.dtype):
+    if enabled and panels_available(weight.dtype) and panels_fit(model, weight.dtype):
         install_packed(model, pack_weights(model))
     elif enabled and weight.dtype == torch.float32 and cpu_linear.is_available():
         for module in model.modules():

@@ -89,3 +89,22 @@ def test_greedy_parts_from_transformers_bf16_only_at_near_ties(bf16, model_path,
           "gaps in bf16 steps:", gaps)
     assert all(g <= 2 for g in gaps), (agree, gaps)
     assert sum(agree) >= len(agree) * tokens // 3, agree
+
+
+def test_bf16_panels_need_an_even_k():
+    """bf16 panels pair the input features: a model with an odd K keeps plain bf16 layers
+    (torch's matmul) instead of failing to load."""
+    from pdserve.shared.models import weight_layout
+    from pdserve.shared.models.llama import LlamaArgs, LlamaForCausalLM
+
+    def model(intermediate_size: int) -> LlamaForCausalLM:
+        cfg = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": intermediate_size,
+               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+               "rms_norm_eps": 1e-5, "max_position_embeddings": 64}
+        with torch.device("meta"):
+            return LlamaForCausalLM(LlamaArgs.from_hf_config(cfg))
+
+    odd, even = model(33), model(34)
+    assert not weight_layout.panels_fit(odd, torch.bfloat16)
+    assert weight_layout.panels_fit(odd, torch.float32)
+    assert weight_layout.panels_fit(even, torch.bfloat16)
