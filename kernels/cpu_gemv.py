@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from pdserve.kernels import cpu_features
 from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "f32_gemv_cpu.c"
@@ -86,25 +87,6 @@ def is_enabled() -> bool:
     return os.environ.get("PDSERVE_CPU_GEMV", "1") != "0"
 
 
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where unreadable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _has_avx512() -> bool:
-    return "avx512f" in cpu_flags()
-
-
-def has_bf16_instructions() -> bool:
-    """This CPU computes bf16 products natively (AVX512-BF16; every AMX CPU has it too)."""
-    return "avx512_bf16" in cpu_flags()
 
 
 @functools.cache
@@ -116,7 +98,7 @@ def load_kernel(weight_dtype: torch.dtype = torch.float32):
         return None
     bf16 = weight_dtype == torch.bfloat16
     source = BF16_SOURCE if bf16 else SOURCE
-    usable = has_bf16_instructions() if bf16 else _has_avx512()
+    usable = cpu_features.has_bf16_instructions() if bf16 else cpu_features.has_avx512()
     defines = (*_DEFINES, f"-DGEMM_KC={BF16_GEMM_KC}") if bf16 else _DEFINES
     lib = load_library(source, defines, FLAG_SETS) if usable else None
     prefix = "bf16_" if bf16 else "f32_"

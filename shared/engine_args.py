@@ -259,24 +259,14 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(ns).items() if k in names and v is not None})
 
     def resolve_dtype(self, hf_config: dict) -> str:
-        """--dtype as ModelConfig takes it: vLLM's aliases (float, half) and "auto" (on CPU
-        bfloat16 where the CPU has AVX512-BF16, as vLLM's CPU backend picks it, else
-        float32; on CUDA the checkpoint's bfloat16 / float16, else float16).
-
-        Raises:
-            ValueError: bfloat16 on a CPU without AVX512-BF16 (no fast path: refused).
-        """
-        from pdserve.kernels.cpu_gemv import has_bf16_instructions
+        """--dtype as ModelConfig takes it: vLLM's aliases (float, half) and "auto" (CPU:
+        `kernels.cpu_features.resolve_cpu_dtype`, which also refuses bf16 without AVX512-BF16;
+        CUDA: the checkpoint's bfloat16 / float16, else float16)."""
+        from pdserve.kernels import cpu_features
 
         alias = {"float": "float32", "half": "float16"}
         if self.device == "cpu":
-            dtype = alias.get(self.dtype, self.dtype)
-            if dtype == "auto":
-                return "bfloat16" if has_bf16_instructions() else "float32"
-            if dtype == "bfloat16" and not has_bf16_instructions():
-                raise ValueError("--dtype bfloat16 on CPU needs AVX512-BF16 (or AMX), which "
-                                 "this CPU lacks: use --dtype float32")
-            return dtype
+            return cpu_features.resolve_cpu_dtype(alias.get(self.dtype, self.dtype))
         if self.dtype != "auto":
             return alias.get(self.dtype, self.dtype)
         # NOTE: transformers 5 writes "dtype" where 4.x wrote "torch_dtype".

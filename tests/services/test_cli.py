@@ -85,9 +85,9 @@ def test_a_vllm_serve_command_line_runs_here(model_path, monkeypatch):
     engine = config.engine_args
     assert (engine.dtype, engine.tensor_parallel_size, engine.gpu_memory_utilization,
             engine.trust_remote_code, engine.enforce_eager) == ("auto", 1, 0.9, True, True)
-    from pdserve.kernels import cpu_gemv  # auto: bf16 where the CPU has it, as vLLM's CPU
+    from pdserve.kernels import cpu_features  # auto: bf16 where the CPU has it, as vLLM's
 
-    has_bf16 = cpu_gemv.has_bf16_instructions()
+    has_bf16 = cpu_features.has_bf16_instructions()
     assert engine.create_engine_configs()[0].dtype == ("bfloat16" if has_bf16 else "float32")
     flags = engine_flags(engine)
     assert "--trust-remote-code" in flags and flags[flags.index("--dtype") + 1] == "auto"
@@ -97,7 +97,7 @@ def test_a_vllm_serve_command_line_runs_here(model_path, monkeypatch):
     assert EngineArgs(dtype="auto", device="cuda").resolve_dtype(
         {"torch_dtype": "bfloat16"}) == "bfloat16"
     with monkeypatch.context() as m:  # a CPU without AVX512-BF16: auto is fp32, bf16 refused
-        m.setattr(cpu_gemv, "has_bf16_instructions", lambda: False)
+        m.setattr(cpu_features, "has_bf16_instructions", lambda: False)
         assert EngineArgs(model=model_path, dtype="auto").resolve_dtype({}) == "float32"
         with pytest.raises(ValueError, match="needs AVX512-BF16"):
             EngineArgs(model=model_path, dtype="bfloat16").resolve_dtype({})

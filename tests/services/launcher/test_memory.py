@@ -47,7 +47,10 @@ def test_the_checkpoint_is_counted_from_its_headers(tmp_path, monkeypatch):
     assert engine_weight_bytes(str(tmp_path), "bfloat16", "cpu") == bf16
     # vLLM's aliases and auto, as the engine resolves them
     assert engine_weight_bytes(str(tmp_path), "float", "cpu") == fp32
-    assert engine_weight_bytes(str(tmp_path), "auto", "cpu") == fp32
+    from pdserve.kernels.cpu_features import has_bf16_instructions  # auto: bf16 if it has it
+
+    assert engine_weight_bytes(str(tmp_path), "auto", "cpu") == (
+        bf16 if has_bf16_instructions() else fp32)
     assert engine_weight_bytes(str(tmp_path), "half", "cpu") == (64 * 2, False)  # torch ops
     assert engine_weight_bytes(str(tmp_path), "float32", "cuda") == (0, False)
     assert engine_weight_bytes(str(tmp_path), "float32", "cpu", "int8") == (64 * 4, False)

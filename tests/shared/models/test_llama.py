@@ -113,11 +113,18 @@ def test_fused_cpu_ops_are_bit_identical_to_the_torch_ops(model, num_threads):
     assert torch.equal(fused_logits, plain_logits)
 
 
-def test_fused_cpu_ops_stay_off_for_bf16():
+def test_fused_cpu_ops_in_bf16_are_torchs_bf16_ops():
+    """A bf16 CPU model runs the fused ops too (their bf16 entry points): the same bits as
+    torch's bf16 ops, hidden states and logits."""
+    from pdserve.kernels import cpu_fused
+
+    if cpu_fused.load_fused_kernels() is None or not cpu_fused.is_enabled():
+        pytest.skip("fused CPU ops unavailable here")
     args = LlamaArgs(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
                      num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6,
                      rope_theta=10000.0, rope_scaling=None, max_position_embeddings=16,
                      tie_word_embeddings=True, attention_bias=False)
+    torch.manual_seed(0)
     model = LlamaForCausalLM(args)
     # The embeddings are built empty (the loader fills them): uninitialized memory may
     # hold NaNs.
@@ -125,9 +132,14 @@ def test_fused_cpu_ops_stay_off_for_bf16():
     model = model.to(torch.bfloat16)
     model.rotary.to("cpu", torch.bfloat16)
     model.set_fused_cpu_ops(True)
-    assert not model.rotary.use_fused_cpu_ops
-    assert not any(getattr(m, "use_fused_cpu_ops", False) for m in model.modules())
-    with torch.inference_mode():
-        hidden = model(torch.tensor([1, 2, 3]), torch.arange(3), [(None, None)],
-                       DenseCausalAttention())
-    assert hidden.shape == (3, 16) and hidden.dtype == torch.bfloat16
+    assert model.rotary.use_fused_cpu_ops and model.layers[0].mlp.use_fused_cpu_ops
+    runs = []
+    for fused in (True, False):
+        model.set_fused_cpu_ops(fused)
+        with torch.inference_mode():
+            hidden = model(torch.tensor([1, 2, 3]), torch.arange(3), [(None, None)],
+                           DenseCausalAttention())
+            runs.append((hidden, model.compute_logits(hidden)))
+    assert runs[0][0].shape == (3, 16) and runs[0][0].dtype == torch.bfloat16
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
