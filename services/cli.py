@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -126,7 +127,7 @@ def _add_service_commands(sub) -> None:
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from pdserve.services.common.config import config_from_args
     from pdserve.services.common.kv_events import KVEventsConfig
-    from pdserve.services.common.launch import build_runtime
+    from pdserve.services.common.launch import build_runtime, engine_loader
     from pdserve.shared.config import ParallelConfig
     from pdserve.shared.engine.engine_core import apply_cpu_placement
     from pdserve.shared.engine_args import EngineArgs, parse_cores
@@ -159,7 +160,19 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         print(f"error: {e}")
         return 2
     logger.info("%s service config: %s", role, config)
-    runtime = build_runtime(config, engine_args)
+    load = engine_loader(engine_args, role)
+
+    def load_and_freeze():
+        # Start-up's objects (the model, the modules, the tokenizer) live as long as the
+        # process: out of the collector's generations, so full collections while serving
+        # walk only what serving allocates (vLLM's engine process does the same). Not in
+        # engine_loader: in-process engines of tests are dropped, and frozen they would be
+        # collected only by reference counts.
+        loaded = load()
+        gc.collect()
+        gc.freeze()
+        return loaded
+    runtime = build_runtime(config, engine_args, load_engine=load_and_freeze)
     return asyncio.run(runtime.serve_forever())
 
 

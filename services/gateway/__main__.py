@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import sys
 
@@ -57,6 +58,10 @@ def run(ns: argparse.Namespace) -> int:
     server = _make_server(uv_config, app.state.gateway.shutdown, config.grace_period)
     sock = uv_config.bind_socket()
     set_send_buffer(sock, config.socket_send_buffer)  # backpressure for slow readers
+    # Start-up's objects (the tokenizer's, the modules') live as long as the process: out of
+    # the collector's generations, so full collections while serving walk only requests'.
+    gc.collect()
+    gc.freeze()
     server.run(sockets=[sock])
     return 0
 
