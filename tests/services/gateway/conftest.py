@@ -82,8 +82,12 @@ async def running_gateway(model_path: str, cluster: FakeCluster,
     set_send_buffer(sock, config.socket_send_buffer)  # as services/gateway/__main__.py
     sock.bind(("127.0.0.1", 0))
     host, port = sock.getsockname()
+    # NOTE: a bounded drain, as services/gateway/__main__.py has: without it uvicorn waits
+    # without end for a connection still open at teardown (a module's teardown once hung
+    # until a signal ended it).
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           http=TransportHttpProtocol))
+                                           http=TransportHttpProtocol,
+                                           timeout_graceful_shutdown=30))
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():
